@@ -1,0 +1,371 @@
+"""In-place multi-tensor delta application: ``p_i += alpha_i * d_i`` for many tensors at once.
+
+This is how predicted updates reach the weights: no copy of any parameter is ever made
+(``data_ptr`` of every parameter is unchanged), and int8 deltas are dequantized inside the same
+pass (``d = float32(q) * scale``, the :mod:`hybrid_kernels.int8_quant` convention).
+
+Triton path, one launch per (device, parameter dtype, delta dtype, quantized) group:
+the tensors of a group are addressed as *element offsets from the group's first tensor*
+(``(t.data_ptr() - base.data_ptr()) / itemsize``), held in a small int64 table. A pointer
+table (``tl.load(ptrs).to(pointer_type)``) would also give one launch, but the Triton
+interpreter cannot dereference loaded pointers, so that design could only be tested on a GPU;
+offsets from one base pointer run the same kernel on both. A second table maps each program to
+(tensor, first element of its chunk), so programs are spread by size, not by tensor count.
+
+Tensors the kernel cannot address as flat memory (a non-contiguous parameter, an offset that is
+not a whole number of elements from the base) are updated in place by the eager path instead;
+non-contiguous deltas are read through a contiguous copy (never a parameter copy).
+
+Precision: the update is computed in fp32 and rounded once to the parameter dtype (bf16 on the
+interpreter rounds toward zero: one bf16 ulp from torch's round-to-nearest-even).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+
+from ._dispatch import choose_backend, record
+from ._triton_compat import INTERPRET, tl, triton
+from .int8_quant import FLOAT_DTYPES, _dequantize_eager, group_size_for, scale_shape_for
+
+_BLOCK = 8192 if INTERPRET else 1024  # elements per inner step of one program
+_ITERS = 1 if INTERPRET else 8  # inner steps per program: chunk = _BLOCK * _ITERS elements
+_ALIGN = 16  # elements; offsets that are multiples of this let the GPU compiler vectorize
+
+_launches: dict[str, int] = {"apply_delta_": 0}
+
+
+def kernel_launches() -> int:
+    """Triton launches made by ``apply_delta_`` so far in this process (tests check the count)."""
+    return _launches["apply_delta_"]
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernel
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _apply_span(p_ptr, d_ptr, s_ptr, idx, numel, group_size, alpha, sq,
+                QUANTIZED: tl.constexpr, MASKED: tl.constexpr, WRITE_NORMS: tl.constexpr):
+    if MASKED:
+        mask = idx < numel
+        if QUANTIZED:
+            q = tl.load(d_ptr + idx, mask=mask, other=0).to(tl.float32)
+            d = q * tl.load(s_ptr + idx // group_size, mask=mask, other=0.0)
+        else:
+            d = tl.load(d_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        step = alpha * d
+        p = tl.load(p_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        tl.store(p_ptr + idx, (p + step).to(p_ptr.dtype.element_ty), mask=mask)
+    else:
+        if QUANTIZED:
+            d = tl.load(d_ptr + idx).to(tl.float32) * tl.load(s_ptr + idx // group_size)
+        else:
+            d = tl.load(d_ptr + idx).to(tl.float32)
+        step = alpha * d
+        p = tl.load(p_ptr + idx).to(tl.float32)
+        tl.store(p_ptr + idx, (p + step).to(p_ptr.dtype.element_ty))
+    if WRITE_NORMS:
+        sq += step * step
+    return sq
+
+
+@triton.jit
+def _apply_delta_kernel(p_base, d_base, s_base, chunk_tensor_ptr, chunk_start_ptr, meta_ptr,
+                        alpha_ptr, partial_sq_ptr,
+                        QUANTIZED: tl.constexpr, WRITE_NORMS: tl.constexpr, ALIGNED: tl.constexpr,
+                        BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    pid = tl.program_id(0)
+    t = tl.load(chunk_tensor_ptr + pid)
+    start = tl.load(chunk_start_ptr + pid)
+    p_off = tl.load(meta_ptr + t * 5)
+    d_off = tl.load(meta_ptr + t * 5 + 1)
+    s_off = tl.load(meta_ptr + t * 5 + 2)
+    numel = tl.load(meta_ptr + t * 5 + 3)
+    group_size = tl.load(meta_ptr + t * 5 + 4)
+    if ALIGNED:
+        p_off = tl.multiple_of(p_off, 16)
+        d_off = tl.multiple_of(d_off, 16)
+    alpha = tl.load(alpha_ptr + t)
+    p_ptr = p_base + p_off
+    d_ptr = d_base + d_off
+    s_ptr = s_base + s_off
+    offs = tl.arange(0, BLOCK)
+    sq = tl.zeros([BLOCK], dtype=tl.float32)
+    if start + BLOCK * ITERS <= numel:  # full chunk: unmasked, vectorizable loads
+        for i in range(ITERS):
+            sq = _apply_span(p_ptr, d_ptr, s_ptr, start + i * BLOCK + offs, numel, group_size,
+                             alpha, sq, QUANTIZED, False, WRITE_NORMS)
+    else:
+        for i in range(ITERS):
+            sq = _apply_span(p_ptr, d_ptr, s_ptr, start + i * BLOCK + offs, numel, group_size,
+                             alpha, sq, QUANTIZED, True, WRITE_NORMS)
+    if WRITE_NORMS:
+        tl.store(partial_sq_ptr + pid, tl.sum(sq, axis=0))
+
+
+# --------------------------------------------------------------------------------------------
+# Launcher
+# --------------------------------------------------------------------------------------------
+class _GroupLayout:
+    """Device-side tables for one group of tensors (cached: the trainer reuses its buffers)."""
+
+    def __init__(self, ptrs: list[tuple[int, int, int]], numels: list[int], group_sizes: list[int],
+                 itemsizes: tuple[int, int, int], device: torch.device):
+        p0, d0, s0 = ptrs[0]
+        meta, chunk_tensor, chunk_start, chunk_slot = [], [], [], []
+        chunk = _BLOCK * _ITERS
+        counts = [-(-n // chunk) for n in numels]
+        self.max_chunks = max(counts)
+        aligned = True
+        for t, ((p, d, s), n, gs) in enumerate(zip(ptrs, numels, group_sizes)):
+            offsets = ((p - p0) // itemsizes[0], (d - d0) // itemsizes[1], (s - s0) // itemsizes[2])
+            aligned &= offsets[0] % _ALIGN == 0 and offsets[1] % _ALIGN == 0
+            meta.append((*offsets, n, gs))
+            for c in range(counts[t]):
+                chunk_tensor.append(t)
+                chunk_start.append(c * chunk)
+                chunk_slot.append(t * self.max_chunks + c)
+        self.aligned = aligned
+        self.n_tensors = len(numels)
+        self.n_chunks = len(chunk_tensor)
+        as_dev = lambda v: torch.tensor(v, dtype=torch.int64).to(device, non_blocking=True)  # noqa: E731
+        self.meta = as_dev(meta)
+        self.chunk_tensor = as_dev(chunk_tensor)
+        self.chunk_start = as_dev(chunk_start)
+        self.chunk_slot = as_dev(chunk_slot)
+
+
+_layout_cache: OrderedDict[tuple, _GroupLayout] = OrderedDict()
+_LAYOUT_CACHE_SIZE = 16
+
+
+def _layout_for(key: tuple, build) -> _GroupLayout:
+    layout = _layout_cache.get(key)
+    if layout is None:
+        layout = build()
+        _layout_cache[key] = layout
+        if len(_layout_cache) > _LAYOUT_CACHE_SIZE:
+            _layout_cache.popitem(last=False)
+    else:
+        _layout_cache.move_to_end(key)
+    return layout
+
+
+def _launch_group(params, deltas, scales, alphas: torch.Tensor, group_sizes, want_norms: bool):
+    """One kernel launch for tensors sharing device and dtypes. Returns step norms or None."""
+    device = params[0].device
+    alphas = alphas.to(device, non_blocking=True)
+    quantized = scales is not None
+    scale_list = scales if quantized else deltas  # unused pointer when not quantized
+    ptrs = [(p.data_ptr(), d.data_ptr(), s.data_ptr()) for p, d, s in zip(params, deltas, scale_list)]
+    numels = [p.numel() for p in params]
+    itemsizes = (params[0].element_size(), deltas[0].element_size(), scale_list[0].element_size())
+    key = (device, tuple(ptrs), tuple(numels), tuple(group_sizes), itemsizes, _BLOCK, _ITERS)
+    layout = _layout_for(key, lambda: _GroupLayout(ptrs, numels, group_sizes, itemsizes, device))
+    partial = torch.empty(layout.n_chunks if want_norms else 1, dtype=torch.float32, device=device)
+    _apply_delta_kernel[(layout.n_chunks,)](
+        params[0], deltas[0], scale_list[0], layout.chunk_tensor, layout.chunk_start, layout.meta,
+        alphas, partial, QUANTIZED=quantized, WRITE_NORMS=want_norms, ALIGNED=layout.aligned,
+        BLOCK=_BLOCK, ITERS=_ITERS)
+    _launches["apply_delta_"] += 1
+    if not want_norms:
+        return None
+    # Deterministic per-tensor sums (no atomics): scatter chunk partials into [T, max_chunks].
+    slots = torch.zeros(layout.n_tensors * layout.max_chunks, dtype=torch.float32, device=device)
+    slots[layout.chunk_slot] = partial
+    return slots.view(layout.n_tensors, layout.max_chunks).sum(dim=1).sqrt()
+
+
+def _offset_ok(t: torch.Tensor, base: torch.Tensor) -> bool:
+    return (t.data_ptr() - base.data_ptr()) % t.element_size() == 0
+
+
+def _apply_triton(params, deltas, scales, alphas, group_sizes, want_norms: bool):
+    norms = torch.zeros(len(params), dtype=torch.float32, device=params[0].device) if want_norms else None
+    groups: dict[tuple, list[int]] = {}
+    for i, (p, d) in enumerate(zip(params, deltas)):
+        if p.numel():
+            groups.setdefault((p.device, p.dtype, d.dtype), []).append(i)
+    for idx in groups.values():
+        # Deltas may be views: read them contiguously (a delta copy, never a parameter copy).
+        ds = {i: deltas[i] if deltas[i].is_contiguous() else deltas[i].contiguous() for i in idx}
+        ss = None if scales is None else {i: scales[i].contiguous() for i in idx}
+        # The kernel addresses flat memory from the first contiguous parameter of the group;
+        # anything else (a non-contiguous parameter) is updated in place by the eager path.
+        flat = [i for i in idx if params[i].is_contiguous()]
+        on_kernel = [i for i in flat if _offset_ok(params[i], params[flat[0]]) and _offset_ok(ds[i], ds[flat[0]])
+                     and (ss is None or _offset_ok(ss[i], ss[flat[0]]))]
+        on_eager = [i for i in idx if i not in set(on_kernel)]
+        for subset, run in ((on_kernel, _launch_group), (on_eager, _apply_eager)):
+            if not subset:
+                continue
+            sub_norms = run([params[i] for i in subset], [ds[i] for i in subset],
+                            None if ss is None else [ss[i] for i in subset],
+                            alphas[subset], [group_sizes[i] for i in subset], want_norms)
+            if want_norms:
+                norms[subset] = sub_norms.to(norms.device)
+    return norms
+
+
+# --------------------------------------------------------------------------------------------
+# Eager reference
+# --------------------------------------------------------------------------------------------
+def _apply_eager(params, deltas, scales, alphas: torch.Tensor, group_sizes, want_norms: bool):
+    """``p += a * d`` per tensor with torch ops; returns fp32 step norms or None."""
+    alpha_values = alphas.tolist()
+    if scales is None:
+        by_alpha: dict[float, list[int]] = {}
+        for i, a in enumerate(alpha_values):
+            by_alpha.setdefault(a, []).append(i)
+        for a, idx in by_alpha.items():
+            torch._foreach_add_([params[i] for i in idx], [deltas[i] for i in idx], alpha=a)
+        if not want_norms:
+            return None
+        device = params[0].device
+        norms = torch.stack([n.to(device) for n in torch._foreach_norm(deltas, 2, dtype=torch.float32)])
+        return norms * alphas.abs().to(device)
+    norms = torch.zeros(len(params), dtype=torch.float32, device=params[0].device)
+    for i, (p, q, s, gs, a) in enumerate(zip(params, deltas, scales, group_sizes, alpha_values)):
+        d = _dequantize_eager(q, s.reshape(-1), gs, torch.float32)
+        p.add_(d, alpha=a)
+        if want_norms:
+            norms[i] = d.norm(dtype=torch.float32).to(norms.device) * abs(a)
+    return norms if want_norms else None
+
+
+# --------------------------------------------------------------------------------------------
+# torch.library op and public function
+# --------------------------------------------------------------------------------------------
+def _apply_impl(params: list[torch.Tensor], deltas: list[torch.Tensor], alphas: torch.Tensor,
+                scales: list[torch.Tensor] | None, group_sizes: list[int],
+                out_norms: torch.Tensor | None) -> None:
+    if not params:
+        return
+    backend = choose_backend("apply_delta_", params[0].device)
+    record("apply_delta_", backend)
+    run = _apply_triton if backend == "triton" else _apply_eager
+    with torch.no_grad():
+        norms = run(params, deltas, scales, alphas, group_sizes, out_norms is not None)
+        if out_norms is not None:
+            out_norms.copy_(norms)
+
+
+@torch.library.custom_op("hybrid_kernels::apply_delta_", mutates_args=("params", "out_norms"))
+def _apply_delta_op(params: list[torch.Tensor], deltas: list[torch.Tensor], alphas: torch.Tensor,
+                    scales: list[torch.Tensor], group_sizes: list[int],
+                    out_norms: torch.Tensor | None) -> None:
+    _apply_impl(params, deltas, alphas, scales or None, group_sizes, out_norms)
+
+
+@_apply_delta_op.register_fake
+def _(params, deltas, alphas, scales, group_sizes, out_norms):
+    return None
+
+
+def _describe(t) -> str:
+    return type(t).__name__ if not isinstance(t, torch.Tensor) else f"{t.dtype} tensor"
+
+
+def _check_args(params, deltas, alpha, scales, granularity, block_size, out_norms):
+    if isinstance(params, torch.Tensor) or not isinstance(params, Sequence):
+        raise TypeError(f"params must be a list or tuple of tensors, got {type(params).__name__}")
+    if isinstance(deltas, torch.Tensor) or not isinstance(deltas, Sequence):
+        raise TypeError(f"deltas must be a list or tuple of tensors, got {type(deltas).__name__}")
+    n = len(params)
+    if len(deltas) != n:
+        raise ValueError(f"deltas has {len(deltas)} tensors but params has {n}")
+    if scales is not None and len(scales) != n:
+        raise ValueError(f"scales has {len(scales)} tensors but params has {n}")
+    seen: dict[int, int] = {}
+    group_sizes = []
+    for i, (p, d) in enumerate(zip(params, deltas)):
+        if not isinstance(p, torch.Tensor) or p.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"params[{i}] must be a float32, float16 or bfloat16 tensor, got {_describe(p)}")
+        if not isinstance(d, torch.Tensor):
+            raise TypeError(f"deltas[{i}] must be a tensor, got {_describe(d)}")
+        if scales is None and d.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"deltas[{i}] must be float32, float16 or bfloat16 (or int8 with scales=), got {d.dtype}")
+        if scales is not None and d.dtype != torch.int8:
+            raise TypeError(f"deltas[{i}] must be int8 when scales are given, got {d.dtype}")
+        if d.shape != p.shape:
+            raise ValueError(f"deltas[{i}] has shape {tuple(d.shape)} but params[{i}] has shape {tuple(p.shape)}")
+        if d.device != p.device:
+            raise ValueError(f"deltas[{i}] is on {d.device} but params[{i}] is on {p.device}")
+        if p.numel() and p.device.type != "meta":
+            if p.data_ptr() in seen:
+                raise ValueError(f"params[{i}] and params[{seen[p.data_ptr()]}] share storage; "
+                                 "the delta would be applied twice")
+            seen[p.data_ptr()] = i
+        if scales is not None:
+            s = scales[i]
+            if not isinstance(s, torch.Tensor) or s.dtype != torch.float32:
+                raise TypeError(f"scales[{i}] must be a float32 tensor, got {_describe(s)}")
+            if s.device != p.device:
+                raise ValueError(f"scales[{i}] is on {s.device} but params[{i}] is on {p.device}")
+            expected = scale_shape_for(p.shape, granularity, block_size)
+            if tuple(s.shape) != expected:
+                raise ValueError(f"scales[{i}] has shape {tuple(s.shape)} but granularity={granularity!r} "
+                                 f"for params[{i}] of shape {tuple(p.shape)} needs {expected}")
+            group_sizes.append(group_size_for(p.shape, granularity, block_size))
+        else:
+            group_sizes.append(1)
+
+    if isinstance(alpha, torch.Tensor):
+        if alpha.shape != (n,):
+            raise ValueError(f"alpha tensor must have shape ({n},), one value per tensor, got {tuple(alpha.shape)}")
+        alphas = alpha.detach().to(torch.float32)
+    elif isinstance(alpha, (int, float)) and not isinstance(alpha, bool):
+        alphas = torch.full((n,), float(alpha), dtype=torch.float32)
+    elif isinstance(alpha, Sequence):
+        if len(alpha) != n:
+            raise ValueError(f"alpha has {len(alpha)} values but params has {n}")
+        alphas = torch.tensor([float(a) for a in alpha], dtype=torch.float32)
+    else:
+        raise TypeError(f"alpha must be a float, a sequence of floats or a tensor, got {type(alpha).__name__}")
+    if n and not bool(torch.isfinite(alphas).all()):
+        bad = int((~torch.isfinite(alphas)).nonzero()[0])
+        raise ValueError(f"alpha[{bad}] is {float(alphas[bad])}: a non-finite step would corrupt params[{bad}]")
+
+    if out_norms is not None:
+        if not isinstance(out_norms, torch.Tensor) or out_norms.dtype != torch.float32:
+            raise TypeError(f"out_norms must be a float32 tensor, got {_describe(out_norms)}")
+        if out_norms.shape != (n,):
+            raise ValueError(f"out_norms must have shape ({n},), got {tuple(out_norms.shape)}")
+    return alphas, group_sizes
+
+
+def apply_delta_(params: Sequence[torch.Tensor], deltas: Sequence[torch.Tensor],
+                 alpha: float | Sequence[float] | torch.Tensor = 1.0, *,
+                 scales: Sequence[torch.Tensor] | None = None, granularity: str = "tensor",
+                 block_size: int = 256, out_norms: torch.Tensor | None = None) -> None:
+    """Add ``alpha[i] * deltas[i]`` to ``params[i]`` in place, for every i, in one pass.
+
+    Args:
+        params: tensors to update (float32, float16 or bfloat16; any shapes; parameters or
+            plain tensors). Updated in place: storage and ``data_ptr`` never change.
+        deltas: one tensor per parameter, same shape and device. Either float (float32,
+            float16, bfloat16; may differ from the parameter's dtype) or, with ``scales``,
+            int8 codes from :func:`~hybrid_kernels.quantize_int8`, dequantized inside the pass.
+        alpha: one float for all tensors, or one per tensor (a sequence or a float32 tensor of
+            shape ``[len(params)]``). Must be finite.
+        scales: float32 scales matching ``deltas`` (int8 mode), quantized with ``granularity``
+            and ``block_size``.
+        out_norms: optional float32 tensor of shape ``[len(params)]``; receives the L2 norm of
+            each applied step ``alpha[i] * deltas[i]`` (fp32, deterministic).
+
+    Raises:
+        ValueError / TypeError naming the argument and index for mismatched lengths, shapes,
+        devices or dtypes, non-finite alpha, or two params sharing storage.
+    """
+    alphas, group_sizes = _check_args(params, deltas, alpha, scales, granularity, block_size, out_norms)
+    params, deltas = list(params), list(deltas)
+    scales = None if scales is None else list(scales)
+    if torch.compiler.is_compiling():
+        _apply_delta_op(params, deltas, alphas, scales or [], group_sizes, out_norms)
+    else:  # direct call: the dispatcher costs more than the work on CPU (see package docstring)
+        _apply_impl(params, deltas, alphas, scales, group_sizes, out_norms)
+
+
+__all__ = ["apply_delta_", "kernel_launches"]
