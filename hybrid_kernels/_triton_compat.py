@@ -42,10 +42,8 @@ except ImportError:  # no Triton wheel for this platform: the eager path serves 
 INTERPRET: bool = HAS_TRITON and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-if HAS_TRITON:
-
-    @triton.jit
-    def rint(x):
-        """Round fp32 half to even. Exact for |x| < 2**22: adding 1.5 * 2**23 pushes the fraction
-        out of the mantissa, and IEEE addition rounds half to even (same as torch.round)."""
-        return (x + 12582912.0) - 12582912.0
+@triton.jit
+def rint(x):
+    """Round fp32 half to even. Exact for |x| < 2**22: adding 1.5 * 2**23 pushes the fraction
+    out of the mantissa, and IEEE addition rounds half to even (same as torch.round)."""
+    return (x + 12582912.0) - 12582912.0

@@ -1,0 +1,157 @@
+"""apply_delta_: in place, one launch per dtype group, float and fused-int8 deltas, vs the eager path."""
+import pytest
+import torch
+
+import hybrid_kernels as hk
+from hybrid_kernels.apply_delta import kernel_launches
+
+SIZES = [1, 7, 97, 1000, 8191, 8192, 8193, 100003]  # 1 element, primes, chunk edges, > 1e5
+
+
+def _params(device, dtype=torch.float32, sizes=SIZES):
+    return [torch.randn(n, device=device).to(dtype) for n in sizes]
+
+
+def _run(backend, monkeypatch, *args, **kwargs):
+    monkeypatch.setenv("HYBRID_KERNELS_BACKEND", backend)
+    hk.apply_delta_(*args, **kwargs)
+    assert hk.last_backend("apply_delta_") == backend
+    monkeypatch.delenv("HYBRID_KERNELS_BACKEND")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("alpha", [1.0, -0.37])
+def test_float_deltas_match_eager_in_place(dtype, alpha, device, monkeypatch):
+    params = _params(device, dtype)
+    expected = [p.clone() for p in params]
+    deltas = [torch.randn_like(p, dtype=torch.float32) for p in params]
+    _run("eager", monkeypatch, expected, deltas, alpha)
+    ptrs = [p.data_ptr() for p in params]
+    _run("triton", monkeypatch, params, deltas, alpha)
+    assert [p.data_ptr() for p in params] == ptrs
+    tol = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]  # bf16: 1 ulp (interpreter rounds toward zero)
+    for p, e in zip(params, expected):
+        torch.testing.assert_close(p, e, rtol=tol, atol=tol)
+
+
+def test_weights_change_by_exactly_the_delta(device):
+    params = _params(device)
+    before = [p.clone() for p in params]
+    deltas = [torch.randn_like(p) for p in params]
+    hk.apply_delta_(params, deltas, 1.0)
+    for p, b, d in zip(params, before, deltas):
+        assert torch.equal(p, b + d)
+
+
+def test_one_launch_per_dtype_group(device):
+    params = _params(device) + _params(device, torch.float16, [5, 33])
+    deltas = [torch.randn_like(p) for p in params]
+    before = kernel_launches()
+    hk.apply_delta_(params, deltas, 0.5)
+    assert kernel_launches() - before == 2  # fp32 group + fp16 group
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "row", "block"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_int8_deltas_dequantized_in_the_pass(granularity, dtype, device, monkeypatch):
+    shapes = [(1,), (3, 5), (64, 129), (17, 1000)]
+    params = [torch.randn(s, device=device).to(dtype) for s in shapes]
+    deltas = [torch.randn(s, device=device) * 1e-2 for s in shapes]
+    quantized = [hk.quantize_int8(d, granularity, block_size=64) for d in deltas]
+    codes, scales = [q for q, _ in quantized], [s for _, s in quantized]
+    expected = [p.float() + 0.5 * hk.dequantize_int8(q, s, granularity, 64) for p, q, s in zip(params, codes, scales)]
+    eager = [p.clone() for p in params]
+    _run("eager", monkeypatch, eager, codes, 0.5, scales=scales, granularity=granularity, block_size=64)
+    _run("triton", monkeypatch, params, codes, 0.5, scales=scales, granularity=granularity, block_size=64)
+    for p, e, ref in zip(params, eager, expected):
+        if dtype == torch.float32:
+            assert torch.equal(p, e)  # same fp32 arithmetic, same order: bit-exact
+        torch.testing.assert_close(p.float(), ref, rtol=1e-3 if dtype == torch.float16 else 1e-6, atol=1e-6)
+
+
+def test_per_tensor_alpha_and_norms(device, monkeypatch):
+    params = _params(device, sizes=[10, 20000, 3])
+    deltas = [torch.randn_like(p) for p in params]
+    alphas = [0.5, -2.0, 0.0]
+    expected_norms = torch.stack([(a * d).norm() for a, d in zip(alphas, deltas)])
+    for backend in ("eager", "triton"):
+        work = [p.clone() for p in params]
+        norms = torch.full((3,), -1.0, device=device)
+        _run(backend, monkeypatch, work, deltas, alphas, out_norms=norms)
+        torch.testing.assert_close(norms, expected_norms, rtol=1e-5, atol=1e-6)
+        for w, p, d, a in zip(work, params, deltas, alphas):
+            torch.testing.assert_close(w, p + a * d, rtol=1e-6, atol=1e-6)
+    tensor_alpha = torch.tensor(alphas, device=device)
+    hk.apply_delta_(params, deltas, tensor_alpha)
+
+
+def test_non_contiguous_param_is_updated_in_place(device):
+    base = torch.randn(40, 30, device=device)
+    transposed = base.t()  # a non-contiguous view of a parameter
+    flat = torch.randn(50, device=device)
+    d_t, d_f = torch.randn(30, 40, device=device), torch.randn(50, device=device)
+    expected_t, expected_f = transposed + d_t, flat + d_f
+    hk.apply_delta_([transposed, flat], [d_t, d_f])
+    assert torch.equal(transposed, expected_t) and torch.equal(flat, expected_f)
+    assert torch.equal(base, expected_t.t())  # the storage itself changed
+
+
+def test_non_contiguous_delta(device):
+    p = torch.randn(20, 30, device=device)
+    d = torch.randn(30, 20, device=device).t()
+    expected = p + d
+    hk.apply_delta_([p], [d])
+    assert torch.equal(p, expected)
+
+
+def test_parameters_with_grad_and_empty_tensors(device):
+    layer = torch.nn.Linear(7, 3).to(device)
+    empty = torch.empty(0, device=device)
+    params = [layer.weight, layer.bias, empty]
+    before = [t.detach().clone() for t in params]
+    deltas = [torch.ones_like(t) for t in params]
+    hk.apply_delta_(params, deltas, 0.25)
+    assert torch.equal(layer.weight, before[0] + 0.25) and torch.equal(layer.bias, before[1] + 0.25)
+    assert layer.weight.requires_grad and layer.weight.grad is None
+
+
+def test_empty_list_is_a_no_op():
+    hk.apply_delta_([], [])
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda p, d: hk.apply_delta_(p, d[:1]), "deltas has 1 tensors but params has 2"),
+    (lambda p, d: hk.apply_delta_(p, [d[0], d[1][:-1]]), r"deltas\[1\] has shape \(4,\) but params\[1\] has shape \(5,\)"),
+    (lambda p, d: hk.apply_delta_(p, [d[0], d[1].to(torch.float64)]), r"deltas\[1\] must be float32"),
+    (lambda p, d: hk.apply_delta_([p[0], p[1].long()], d), r"params\[1\] must be a float32"),
+    (lambda p, d: hk.apply_delta_(p, [d[0], d[1].to("meta")]), r"deltas\[1\] is on meta"),
+    (lambda p, d: hk.apply_delta_(p, d, [1.0]), "alpha has 1 values but params has 2"),
+    (lambda p, d: hk.apply_delta_(p, d, float("nan")), r"alpha\[0\] is nan"),
+    (lambda p, d: hk.apply_delta_([p[0], p[0]], d[:1] * 2), r"params\[1\] and params\[0\] share storage"),
+    (lambda p, d: hk.apply_delta_(p, d, out_norms=torch.zeros(3)), r"out_norms must have shape \(2,\)"),
+    (lambda p, d: hk.apply_delta_(p, d, scales=[torch.ones(()), torch.ones(())]), r"deltas\[0\] must be int8"),
+    (lambda p, d: hk.apply_delta_(p, [torch.zeros(3, dtype=torch.int8), torch.zeros(5, dtype=torch.int8)],
+                                  scales=[torch.ones(()), torch.ones(2)]), r"scales\[1\] has shape \(2,\)"),
+    (lambda p, d: hk.apply_delta_(p[0], d[0]), "params must be a list or tuple"),
+])
+def test_bad_arguments_are_named(call, match):
+    params = [torch.zeros(3), torch.zeros(5)]
+    deltas = [torch.ones(3), torch.ones(5)]
+    with pytest.raises((ValueError, TypeError), match=match):
+        call(params, deltas)
+    assert torch.equal(params[0], torch.zeros(3))  # nothing applied before the error
+
+
+def test_chunks_with_several_inner_steps(device, monkeypatch):
+    """The GPU configuration (several BLOCK steps per program, full and tail chunks)."""
+    import hybrid_kernels.apply_delta as mod
+    monkeypatch.setattr(mod, "_BLOCK", 256)
+    monkeypatch.setattr(mod, "_ITERS", 4)
+    params = _params(device, sizes=[1, 1023, 1024, 1025, 5000])
+    deltas = [torch.randn_like(p) for p in params]
+    expected = [p + 2.0 * d for p, d in zip(params, deltas)]
+    norms = torch.zeros(len(params), device=device)
+    hk.apply_delta_(params, deltas, 2.0, out_norms=norms)
+    for p, e in zip(params, expected):
+        assert torch.equal(p, e)
+    torch.testing.assert_close(norms, torch.stack([(2.0 * d).norm() for d in deltas]), rtol=1e-5, atol=0)
