@@ -20,6 +20,7 @@ Every op follows one pattern, in one file per op (``apply_delta.py``, ``int8_qua
 from ._dispatch import BACKEND_ENV, backend_counts, last_backend, reset_backend_counts
 from ._triton_compat import HAS_TRITON, INTERPRET
 from .apply_delta import apply_delta_
+from .gru_cell import gru_cell
 from .int8_quant import dequantize_int8, quantize_int8
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "apply_delta_",
     "backend_counts",
     "dequantize_int8",
+    "gru_cell",
     "last_backend",
     "quantize_int8",
     "reset_backend_counts",

@@ -21,6 +21,7 @@ interpreter rounds toward zero: one bf16 ulp from torch's round-to-nearest-even)
 """
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -219,8 +220,11 @@ def _apply_eager(params, deltas, scales, alphas: torch.Tensor, group_sizes, want
         by_alpha: dict[float, list[int]] = {}
         for i, a in enumerate(alpha_values):
             by_alpha.setdefault(a, []).append(i)
-        for a, idx in by_alpha.items():
-            torch._foreach_add_([params[i] for i in idx], [deltas[i] for i in idx], alpha=a)
+        if len(by_alpha) == 1:  # the common case: one alpha for every tensor
+            torch._foreach_add_(params, deltas, alpha=alpha_values[0])
+        else:
+            for a, idx in by_alpha.items():
+                torch._foreach_add_([params[i] for i in idx], [deltas[i] for i in idx], alpha=a)
         if not want_norms:
             return None
         device = params[0].device
@@ -268,16 +272,27 @@ def _describe(t) -> str:
     return type(t).__name__ if not isinstance(t, torch.Tensor) else f"{t.dtype} tensor"
 
 
-def _check_args(params, deltas, alpha, scales, granularity, block_size, out_norms):
-    if isinstance(params, torch.Tensor) or not isinstance(params, Sequence):
-        raise TypeError(f"params must be a list or tuple of tensors, got {type(params).__name__}")
-    if isinstance(deltas, torch.Tensor) or not isinstance(deltas, Sequence):
-        raise TypeError(f"deltas must be a list or tuple of tensors, got {type(deltas).__name__}")
-    n = len(params)
-    if len(deltas) != n:
-        raise ValueError(f"deltas has {len(deltas)} tensors but params has {n}")
-    if scales is not None and len(scales) != n:
-        raise ValueError(f"scales has {len(scales)} tensors but params has {n}")
+_FLOAT_SET = frozenset(FLOAT_DTYPES)
+
+
+def _float_lists_look_valid(params, deltas) -> bool:
+    """Aggregate checks of float delta lists: much cheaper than the per-index loop, which runs
+    only when these fail (to name the offending index) or for int8 deltas."""
+    try:
+        if not ({p.dtype for p in params} <= _FLOAT_SET and {d.dtype for d in deltas} <= _FLOAT_SET):
+            return False
+        if [p.shape for p in params] != [d.shape for d in deltas]:
+            return False
+        if [p.device for p in params] != [d.device for d in deltas]:
+            return False
+        # Distinct storage (empty or meta tensors may share address 0: the slow path sorts them out).
+        return len({p.data_ptr() for p in params}) == len(params)
+    except AttributeError:  # an element is not a tensor
+        return False
+
+
+def _check_each_tensor(params, deltas, scales, granularity, block_size) -> list[int]:
+    """Per-index checks, raising on the first bad argument. Returns each tensor's group size."""
     seen: dict[int, int] = {}
     group_sizes = []
     for i, (p, d) in enumerate(zip(params, deltas)):
@@ -293,7 +308,7 @@ def _check_args(params, deltas, alpha, scales, granularity, block_size, out_norm
             raise ValueError(f"deltas[{i}] has shape {tuple(d.shape)} but params[{i}] has shape {tuple(p.shape)}")
         if d.device != p.device:
             raise ValueError(f"deltas[{i}] is on {d.device} but params[{i}] is on {p.device}")
-        if p.numel() and p.device.type != "meta":
+        if p.numel() and not p.is_meta:
             if p.data_ptr() in seen:
                 raise ValueError(f"params[{i}] and params[{seen[p.data_ptr()]}] share storage; "
                                  "the delta would be applied twice")
@@ -311,12 +326,31 @@ def _check_args(params, deltas, alpha, scales, granularity, block_size, out_norm
             group_sizes.append(group_size_for(p.shape, granularity, block_size))
         else:
             group_sizes.append(1)
+    return group_sizes
+
+
+def _check_args(params, deltas, alpha, scales, granularity, block_size, out_norms):
+    if isinstance(params, torch.Tensor) or not isinstance(params, Sequence):
+        raise TypeError(f"params must be a list or tuple of tensors, got {type(params).__name__}")
+    if isinstance(deltas, torch.Tensor) or not isinstance(deltas, Sequence):
+        raise TypeError(f"deltas must be a list or tuple of tensors, got {type(deltas).__name__}")
+    n = len(params)
+    if len(deltas) != n:
+        raise ValueError(f"deltas has {len(deltas)} tensors but params has {n}")
+    if scales is not None and len(scales) != n:
+        raise ValueError(f"scales has {len(scales)} tensors but params has {n}")
+    if scales is None and _float_lists_look_valid(params, deltas):
+        group_sizes = [1] * n
+    else:
+        group_sizes = _check_each_tensor(params, deltas, scales, granularity, block_size)
 
     if isinstance(alpha, torch.Tensor):
         if alpha.shape != (n,):
             raise ValueError(f"alpha tensor must have shape ({n},), one value per tensor, got {tuple(alpha.shape)}")
         alphas = alpha.detach().to(torch.float32)
     elif isinstance(alpha, (int, float)) and not isinstance(alpha, bool):
+        if not math.isfinite(alpha):
+            raise ValueError(f"alpha[0] is {alpha}: a non-finite step would corrupt params[0]")
         alphas = torch.full((n,), float(alpha), dtype=torch.float32)
     elif isinstance(alpha, Sequence):
         if len(alpha) != n:
@@ -324,7 +358,7 @@ def _check_args(params, deltas, alpha, scales, granularity, block_size, out_norm
         alphas = torch.tensor([float(a) for a in alpha], dtype=torch.float32)
     else:
         raise TypeError(f"alpha must be a float, a sequence of floats or a tensor, got {type(alpha).__name__}")
-    if n and not bool(torch.isfinite(alphas).all()):
+    if n and not isinstance(alpha, (int, float)) and not bool(torch.isfinite(alphas).all()):
         bad = int((~torch.isfinite(alphas)).nonzero()[0])
         raise ValueError(f"alpha[{bad}] is {float(alphas[bad])}: a non-finite step would corrupt params[{bad}]")
 

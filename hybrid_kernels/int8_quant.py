@@ -141,10 +141,13 @@ def _padded_groups(flat: torch.Tensor, group_size: int) -> torch.Tensor:
 def _quantize_eager(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     numel = x.numel()
     groups = _padded_groups(x.reshape(-1).float(), group_size)
-    scales = groups.abs().amax(dim=1) / QMAX
+    # max(amax, -amin) avoids materialising |x|; both propagate NaN like the kernel does.
+    scales = torch.maximum(groups.amax(dim=1), groups.amin(dim=1).neg()) / QMAX
     divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = torch.round(groups / divisor[:, None])
-    q = torch.nan_to_num(q, nan=0.0).clamp_(-QMAX, QMAX)
+    q = (groups / divisor[:, None]).round_()
+    if not bool(torch.isfinite(scales).all()):
+        q.nan_to_num_(nan=0.0)
+    q.clamp_(-QMAX, QMAX)
     return q.reshape(-1)[:numel].to(torch.int8).view(x.shape), scales
 
 

@@ -1,0 +1,1 @@
+"""Benchmarks: kernel microbenchmarks (pytest-benchmark, `python -m bench.kernels`)."""
