@@ -1,6 +1,14 @@
 """hybrid_trainer: predictive training on top of hybrid_kernels.
 
-The trainer (HybridTrainer, HybridConfig) is built in issue #4; this package currently exposes
-only its version.
+    from hybrid_trainer import HybridTrainer, HybridConfig
+    trainer = HybridTrainer(model, optimizer, loss_fn, config=HybridConfig())
+    for batch in loader:
+        result = trainer.step(batch)
+    print(trainer.summary())
 """
+from .config import HybridConfig
+from .phases import Phase
+from .trainer import HybridTrainer, StepResult
+
 __version__ = "0.1.0"
+__all__ = ["HybridConfig", "HybridTrainer", "Phase", "StepResult", "__version__"]

@@ -1,0 +1,206 @@
+"""HybridConfig: every knob of the trainer, validated, with JSON round trip and two presets."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+DIRECTIONS = ("ema", "linear")
+AUTOCAST_DTYPES = (None, "bfloat16", "float16")
+
+
+@dataclass
+class HybridConfig:
+    """Configuration of :class:`~hybrid_trainer.HybridTrainer`. Steps count ``trainer.step`` calls.
+
+    Phase schedule
+        warmup_steps: plain steps before anything is recorded for prediction.
+        full_steps: real steps in a FULL phase before a PREDICT phase may start.
+        correct_steps: real steps after each PREDICT phase (residuals, recalibration).
+        predict_lengths: candidate PREDICT lengths (steps); the controller or bandit picks one.
+        max_consecutive_predict: PREDICT→CORRECT cycles before a FULL phase is forced.
+        confidence_threshold: minimum confidence (0..1) to enter PREDICT.
+        max_consecutive_rejections: rejected PREDICT phases in a row after which prediction is
+            switched off for the rest of the run (each rejection also doubles the FULL cool-down).
+        min_predicted_worth: a PREDICT phase starts only if a predicted step is measured to be
+            worth at least this fraction of a real step (first-order: ``<g, s∘d> / <g, u>``
+            on real steps, EMA). Below it predicting cannot pay for its verification.
+        max_consecutive_declines: phase decisions in a row that declined to predict (worth or
+            confidence too low) after which prediction is switched off for the run, so the
+            trainer stops recording and costs what the plain loop costs.
+        use_bandit, bandit_alpha: LinUCB over ``predict_lengths`` (reward: loss progress per
+            unit of compute) instead of the confidence rule.
+
+    Predicted deltas
+        direction: ``"ema"`` (EMA of real updates) or ``"linear"`` (least-squares slope of the
+            weight trajectory over the last ``history_size`` updates, kept in int8).
+        ema_beta: EMA factor of the update direction.
+        history_size: updates kept (int8, per-row scales) for ``"linear"``.
+        scale_beta: EMA factor of the per-tensor scale fit ``<u, d> / <d, d>``.
+        scale_max: upper clamp of a per-tensor scale.
+        verify_every: predicted steps between forward-only verifications (the last predicted
+            step of a phase is always verified).
+        loss_tolerance: relative slack on the verified loss.
+        noise_z: slack in units of the measured batch-to-batch loss noise.
+
+    Dynamics model (RSSM-lite)
+        dynamics_hidden, dynamics_ensemble, dynamics_lr, dynamics_train_every,
+        dynamics_batch, dynamics_window: GRU hidden size, members, Adam lr, train every N real
+        steps, minibatch size and unrolled window of the online training.
+
+    Step mechanics
+        grad_clip: max gradient norm (None: no clipping; the norm is still measured).
+        grad_accumulation: micro-batches per step (``trainer.step`` then takes a list of that
+            many batches; losses are averaged).
+        autocast_dtype: None, "bfloat16" or "float16" (float16 uses a GradScaler).
+        good_state_every: real steps between snapshots of the last good state (divergence
+            rollback); 0 disables divergence rollback snapshots.
+        divergence: keyword arguments for :class:`~hybrid_trainer.divergence.DivergenceMonitor`.
+        metrics_path: JSONL file receiving one record per step (None: memory only).
+        seed: seed of the trainer's own random draws (dynamics replay sampling).
+    """
+
+    warmup_steps: int = 20
+    full_steps: int = 20
+    correct_steps: int = 4
+    predict_lengths: tuple[int, ...] = (4, 8, 16)
+    max_consecutive_predict: int = 4
+    confidence_threshold: float = 0.5
+    max_consecutive_rejections: int = 4
+    min_predicted_worth: float = 0.1
+    max_consecutive_declines: int = 8
+    use_bandit: bool = False
+    bandit_alpha: float = 1.0
+
+    direction: str = "ema"
+    ema_beta: float = 0.98
+    history_size: int = 4
+    scale_beta: float = 0.9
+    scale_max: float = 4.0
+    verify_every: int = 4
+    loss_tolerance: float = 0.01
+    noise_z: float = 1.0
+
+    dynamics_hidden: int = 256
+    dynamics_ensemble: int = 3
+    dynamics_lr: float = 1e-3
+    dynamics_train_every: int = 4
+    dynamics_batch: int = 16
+    dynamics_window: int = 8
+
+    grad_clip: float | None = None
+    grad_accumulation: int = 1
+    autocast_dtype: str | None = None
+    good_state_every: int = 50
+    divergence: dict[str, Any] = field(default_factory=dict)
+    metrics_path: str | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.predict_lengths = tuple(self.predict_lengths)
+        self.validate()
+
+    # -- validation --------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first field outside its allowed range."""
+        def need(name: str, ok: bool, allowed: str) -> None:
+            if not ok:
+                raise ValueError(f"HybridConfig.{name}={getattr(self, name)!r}: must be {allowed}")
+
+        def is_int(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        need("warmup_steps", is_int(self.warmup_steps) and self.warmup_steps >= 0, "an int >= 0")
+        need("full_steps", is_int(self.full_steps) and self.full_steps >= 1, "an int >= 1")
+        need("correct_steps", is_int(self.correct_steps) and self.correct_steps >= 1, "an int >= 1")
+        need("predict_lengths", len(self.predict_lengths) >= 1
+             and all(is_int(n) and n >= 1 for n in self.predict_lengths)
+             and len(set(self.predict_lengths)) == len(self.predict_lengths),
+             "a non-empty tuple of distinct ints >= 1")
+        need("max_consecutive_predict", is_int(self.max_consecutive_predict) and self.max_consecutive_predict >= 1,
+             "an int >= 1")
+        need("confidence_threshold", is_num(self.confidence_threshold) and 0 <= self.confidence_threshold <= 1,
+             "a float in [0, 1]")
+        need("max_consecutive_rejections", is_int(self.max_consecutive_rejections)
+             and self.max_consecutive_rejections >= 1, "an int >= 1")
+        need("min_predicted_worth", is_num(self.min_predicted_worth) and -1 <= self.min_predicted_worth <= 1,
+             "a float in [-1, 1]")
+        need("max_consecutive_declines", is_int(self.max_consecutive_declines) and self.max_consecutive_declines >= 1,
+             "an int >= 1")
+        need("use_bandit", isinstance(self.use_bandit, bool), "a bool")
+        need("bandit_alpha", is_num(self.bandit_alpha) and self.bandit_alpha >= 0, "a float >= 0")
+        need("direction", self.direction in DIRECTIONS, f"one of {DIRECTIONS}")
+        need("ema_beta", is_num(self.ema_beta) and 0 < self.ema_beta < 1, "a float in (0, 1)")
+        need("history_size", is_int(self.history_size) and 2 <= self.history_size <= 64, "an int in [2, 64]")
+        need("scale_beta", is_num(self.scale_beta) and 0 <= self.scale_beta < 1, "a float in [0, 1)")
+        need("scale_max", is_num(self.scale_max) and self.scale_max > 0, "a float > 0")
+        need("verify_every", is_int(self.verify_every) and self.verify_every >= 1, "an int >= 1")
+        need("loss_tolerance", is_num(self.loss_tolerance) and 0 <= self.loss_tolerance <= 1, "a float in [0, 1]")
+        need("noise_z", is_num(self.noise_z) and self.noise_z >= 0, "a float >= 0")
+        need("dynamics_hidden", is_int(self.dynamics_hidden) and 1 <= self.dynamics_hidden <= 4096,
+             "an int in [1, 4096]")
+        need("dynamics_ensemble", is_int(self.dynamics_ensemble) and 1 <= self.dynamics_ensemble <= 16,
+             "an int in [1, 16]")
+        need("dynamics_lr", is_num(self.dynamics_lr) and self.dynamics_lr > 0, "a float > 0")
+        need("dynamics_train_every", is_int(self.dynamics_train_every) and self.dynamics_train_every >= 1,
+             "an int >= 1")
+        need("dynamics_batch", is_int(self.dynamics_batch) and self.dynamics_batch >= 1, "an int >= 1")
+        need("dynamics_window", is_int(self.dynamics_window) and self.dynamics_window >= 1, "an int >= 1")
+        need("grad_clip", self.grad_clip is None or (is_num(self.grad_clip) and self.grad_clip > 0),
+             "None or a float > 0")
+        need("grad_accumulation", is_int(self.grad_accumulation) and self.grad_accumulation >= 1, "an int >= 1")
+        need("autocast_dtype", self.autocast_dtype in AUTOCAST_DTYPES, f"one of {AUTOCAST_DTYPES}")
+        need("good_state_every", is_int(self.good_state_every) and self.good_state_every >= 0, "an int >= 0")
+        need("divergence", isinstance(self.divergence, dict), "a dict of DivergenceMonitor keyword arguments")
+        need("metrics_path", self.metrics_path is None or isinstance(self.metrics_path, str), "None or a str path")
+        need("seed", is_int(self.seed) and self.seed >= 0, "an int >= 0")
+
+    @property
+    def horizon(self) -> int:
+        """Longest predict length: the dynamics model's loss-trajectory horizon."""
+        return max(self.predict_lengths)
+
+    # -- serialisation -----------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["predict_lengths"] = list(self.predict_lengths)
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "HybridConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"HybridConfig has no field(s) {unknown}")
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> "HybridConfig":
+        return cls.from_dict(json.loads(text))
+
+    def replace(self, **changes: Any) -> "HybridConfig":
+        return dataclasses.replace(self, **changes)
+
+    # -- presets -----------------------------------------------------------------------------
+    @classmethod
+    def conservative(cls, **overrides: Any) -> "HybridConfig":
+        """Longer FULL phases, short predictions verified often, tight tolerance."""
+        base = dict(full_steps=40, predict_lengths=(2, 4, 8), verify_every=2, confidence_threshold=0.7,
+                    loss_tolerance=0.005, noise_z=0.5, max_consecutive_predict=2, max_consecutive_rejections=3)
+        return cls(**{**base, **overrides})
+
+    @classmethod
+    def aggressive(cls, **overrides: Any) -> "HybridConfig":
+        """Short FULL phases, long predictions, loose verification, bandit over lengths."""
+        base = dict(warmup_steps=10, full_steps=10, predict_lengths=(8, 16, 32), verify_every=8,
+                    confidence_threshold=0.3, loss_tolerance=0.02, noise_z=2.0, max_consecutive_predict=8,
+                    max_consecutive_rejections=6, use_bandit=True)
+        return cls(**{**base, **overrides})

@@ -1,0 +1,361 @@
+"""Divergence monitor: decides, one step at a time, whether training has gone wrong.
+
+The trainer asks :meth:`DivergenceMonitor.check` about a candidate loss (and gradient norm) *before* it
+accepts a step, and records accepted steps with :meth:`DivergenceMonitor.observe`. Keeping the two apart is
+what makes rollback possible: a CRITICAL report on a verification loss means "restore the anchor", and the
+rejected loss never enters the statistics that later checks are judged against. After a rollback the trainer
+calls :meth:`DivergenceMonitor.reset_window` so that statistics gathered on the abandoned trajectory do not
+linger.
+
+Signals (units: the loss is whatever the user's loss function returns; gradient norms are global L2 norms
+over all parameters, in the same units as the gradients):
+
+========================  ==========  ===========================================================
+kind                      severity    rule
+========================  ==========  ===========================================================
+``nan``                   CRITICAL    loss or grad norm is NaN or +-Inf
+``loss_z``                WARNING /   z = (loss - median) / scale over the last ``window`` accepted
+                          CRITICAL    losses; only rises count. scale = max(1.4826 * MAD, sample
+                                      std, ``relative_scale_floor`` * abs(median)).
+``grad_explosion``        CRITICAL    grad norm > ``grad_explosion_factor`` x median of the last
+                                      ``window`` accepted grad norms
+``grad_vanish``           WARNING     grad norm < ``grad_vanish_threshold``
+``oscillation``           WARNING     share of sign changes between consecutive loss differences
+                                      over the last ``oscillation_window`` differences is above
+                                      ``oscillation_threshold`` and the least-squares slope of the
+                                      loss over those points is >= 0
+========================  ==========  ===========================================================
+
+Why the scale is the larger of the MAD-based and the sample standard deviation: minibatch losses are often
+heavy-tailed. The MAD alone measures only the core of the distribution, so ordinary tail batches would score
+z > 6 and trigger rollbacks; the sample std grows with the tails and keeps those false alarms rare, while a
+real blow-up (a 10x loss) still scores far above any threshold. The relative floor stops a nearly constant
+loss (scale ~ 0) from turning a rounding-level rise into an alarm.
+
+Why the z-score reference is the median of the *whole* window rather than the last few values: on a falling
+loss the window median sits above the newest values, so the ordinary downward trend can never look like a
+rise. The cost is that a rise must clear the older, higher level before it is flagged; the grad-norm and NaN
+signals, which need no history, cover the fast blow-ups.
+"""
+from __future__ import annotations
+
+import enum
+import math
+import numbers
+from collections import deque
+from dataclasses import dataclass, field
+from statistics import median
+
+__all__ = ["Severity", "DivergenceReport", "DivergenceMonitor", "REASON_KINDS"]
+
+#: Keys of :attr:`DivergenceMonitor.counts`, one per kind of signal.
+REASON_KINDS = ("nan", "loss_z", "grad_explosion", "grad_vanish", "oscillation")
+
+# 1.4826 * MAD estimates the standard deviation of normally distributed data.
+_MAD_TO_STD = 1.4826
+# Guards the z-score division when the loss median is exactly zero and the window is flat.
+_ABSOLUTE_SCALE_FLOOR = 1e-12
+_STATE_VERSION = 1
+
+
+class Severity(enum.IntEnum):
+    """How bad a step looks. Ordered, so ``max`` over several signals gives the overall severity."""
+
+    OK = 0
+    WARNING = 1
+    CRITICAL = 2
+
+
+@dataclass
+class DivergenceReport:
+    """Result of one :meth:`DivergenceMonitor.check`.
+
+    ``reasons`` are human-readable sentences; ``kinds`` holds the matching machine-readable kinds (entries of
+    :data:`REASON_KINDS`, one per reason, same order) so callers can react without parsing text.
+    """
+
+    severity: Severity
+    reasons: list[str]
+    kinds: list[str] = field(default_factory=list)
+
+    @property
+    def critical(self) -> bool:
+        """True when the step must not be accepted (the trainer rolls back)."""
+        return self.severity >= Severity.CRITICAL
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _require_int(name: str, value, minimum: int, allowed: str) -> int:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer {allowed}, got {value!r}")
+    return int(value)
+
+
+def _require_float(name: str, value, ok, allowed: str) -> float:
+    if not _is_number(value) or not math.isfinite(float(value)) or not ok(float(value)):
+        raise ValueError(f"{name} must be a finite number {allowed}, got {value!r}")
+    return float(value)
+
+
+def _as_optional_float(name: str, value) -> float | None:
+    """Accept python/numpy/torch scalars; anything else is a caller bug worth a clear error."""
+    if value is None:
+        return None
+    if hasattr(value, "item") and not _is_number(value):
+        value = value.item()  # 0-d numpy array or torch tensor
+    if not _is_number(value):
+        raise ValueError(f"{name} must be a real number or None, got {type(value).__name__}")
+    return float(value)
+
+
+def _fmt(value: float) -> str:
+    return f"{value:.3g}"
+
+
+class DivergenceMonitor:
+    """Flags NaNs, loss spikes, exploding/vanishing gradients and loss oscillation.
+
+    Args:
+        window: number of accepted steps the loss and grad-norm statistics look back over (>= 2).
+        loss_z_warning: loss z-score above which a rise is a WARNING (> 0).
+        loss_z_critical: loss z-score above which a rise is CRITICAL (>= loss_z_warning).
+        grad_explosion_factor: a grad norm above this multiple of the recent median is CRITICAL (> 1).
+        grad_vanish_threshold: a grad norm below this absolute value is a WARNING (>= 0; 0 disables).
+        oscillation_window: number of recent loss differences the oscillation test looks at (>= 3).
+        oscillation_threshold: share of sign changes above which a non-decreasing loss is a WARNING (0, 1].
+        min_history: accepted values needed before the loss z-score and grad-explosion tests run
+            (2 <= min_history <= window); below it only the history-free tests apply.
+        relative_scale_floor: lower bound of the loss scale as a fraction of abs(median loss) (>= 0).
+    """
+
+    def __init__(
+        self,
+        window: int = 50,
+        loss_z_warning: float = 3.0,
+        loss_z_critical: float = 6.0,
+        grad_explosion_factor: float = 10.0,
+        grad_vanish_threshold: float = 1e-10,
+        oscillation_window: int = 20,
+        oscillation_threshold: float = 0.85,
+        min_history: int = 10,
+        relative_scale_floor: float = 0.01,
+    ):
+        self.window = _require_int("window", window, 2, ">= 2")
+        self.loss_z_warning = _require_float("loss_z_warning", loss_z_warning, lambda v: v > 0, "> 0")
+        self.loss_z_critical = _require_float(
+            "loss_z_critical", loss_z_critical, lambda v: v >= self.loss_z_warning,
+            f">= loss_z_warning ({self.loss_z_warning})",
+        )
+        self.grad_explosion_factor = _require_float(
+            "grad_explosion_factor", grad_explosion_factor, lambda v: v > 1, "> 1"
+        )
+        self.grad_vanish_threshold = _require_float(
+            "grad_vanish_threshold", grad_vanish_threshold, lambda v: v >= 0, ">= 0"
+        )
+        self.oscillation_window = _require_int("oscillation_window", oscillation_window, 3, ">= 3")
+        self.oscillation_threshold = _require_float(
+            "oscillation_threshold", oscillation_threshold, lambda v: 0 < v <= 1, "in (0, 1]"
+        )
+        self.min_history = _require_int("min_history", min_history, 2, f"in [2, window={self.window}]")
+        if self.min_history > self.window:
+            raise ValueError(f"min_history must be an integer in [2, window={self.window}], got {min_history!r}")
+        self.relative_scale_floor = _require_float(
+            "relative_scale_floor", relative_scale_floor, lambda v: v >= 0, ">= 0"
+        )
+
+        # The oscillation test needs oscillation_window + 1 losses, which may exceed the z-score window.
+        self._loss_capacity = max(self.window, self.oscillation_window + 1)
+        self._losses: deque[float] = deque(maxlen=self._loss_capacity)
+        self._grad_norms: deque[float] = deque(maxlen=self.window)
+        self.counts: dict[str, int] = {kind: 0 for kind in REASON_KINDS}
+
+    # ------------------------------------------------------------------ recording
+    def observe(self, loss: float | None, grad_norm: float | None = None) -> None:
+        """Record an accepted step. Non-finite (or None) values are ignored, so they never poison the baseline."""
+        loss_value = _as_optional_float("loss", loss)
+        grad_value = _as_optional_float("grad_norm", grad_norm)
+        if loss_value is not None and math.isfinite(loss_value):
+            self._losses.append(loss_value)
+        if grad_value is not None and math.isfinite(grad_value):
+            self._grad_norms.append(grad_value)
+
+    def reset_window(self) -> None:
+        """Forget the recent loss and grad-norm history (after a rollback); event counts are kept."""
+        self._losses.clear()
+        self._grad_norms.clear()
+
+    @property
+    def history_length(self) -> int:
+        """Number of accepted losses currently remembered."""
+        return len(self._losses)
+
+    # ------------------------------------------------------------------ checking
+    def check(self, loss: float | None, grad_norm: float | None = None, *, count: bool = True) -> DivergenceReport:
+        """Judge a candidate step against the accepted history without recording it.
+
+        Args:
+            loss: the step's loss, or None when no loss was computed (only grad tests run then).
+            grad_norm: global L2 gradient norm, or None when no backward pass was done.
+            count: add the report's kinds to :attr:`counts`. Pass False to re-check the same step without
+                double counting; the statistics themselves are never changed by ``check``.
+        """
+        loss_value = _as_optional_float("loss", loss)
+        grad_value = _as_optional_float("grad_norm", grad_norm)
+        if grad_value is not None and grad_value < 0:
+            raise ValueError(f"grad_norm must be >= 0 (it is a norm), got {grad_value!r}")
+
+        findings: list[tuple[Severity, str, str]] = []  # (severity, kind, reason)
+
+        if loss_value is not None and not math.isfinite(loss_value):
+            findings.append((Severity.CRITICAL, "nan", f"loss is {self._name_non_finite(loss_value)}"))
+        if grad_value is not None and not math.isfinite(grad_value):
+            findings.append((Severity.CRITICAL, "nan", f"grad norm is {self._name_non_finite(grad_value)}"))
+
+        if loss_value is not None and math.isfinite(loss_value):
+            findings.extend(self._check_loss_z(loss_value))
+            findings.extend(self._check_oscillation(loss_value))
+        if grad_value is not None and math.isfinite(grad_value):
+            findings.extend(self._check_grad(grad_value))
+
+        severity = max((f[0] for f in findings), default=Severity.OK)
+        kinds = [f[1] for f in findings]
+        if count:
+            for kind in set(kinds):  # one event per kind per check, even if loss and grad are both NaN
+                self.counts[kind] += 1
+        return DivergenceReport(severity=Severity(severity), reasons=[f[2] for f in findings], kinds=kinds)
+
+    @staticmethod
+    def _name_non_finite(value: float) -> str:
+        if math.isnan(value):
+            return "nan"
+        return "inf" if value > 0 else "-inf"
+
+    def loss_z_score(self, loss: float) -> float | None:
+        """z-score of ``loss`` against the accepted window, or None while the history is too short."""
+        recent = list(self._losses)[-self.window:]
+        if len(recent) < self.min_history:
+            return None
+        center = median(recent)
+        mad_scale = _MAD_TO_STD * median(abs(v - center) for v in recent)
+        mean = sum(recent) / len(recent)
+        std = math.sqrt(sum((v - mean) ** 2 for v in recent) / (len(recent) - 1))
+        scale = max(mad_scale, std, self.relative_scale_floor * abs(center), _ABSOLUTE_SCALE_FLOOR)
+        return (float(loss) - center) / scale
+
+    def _check_loss_z(self, loss: float) -> list[tuple[Severity, str, str]]:
+        z = self.loss_z_score(loss)
+        # Only rises are divergence: a sudden drop (new data regime, LR decay) is good news.
+        if z is None or z <= self.loss_z_warning:
+            return []
+        if z > self.loss_z_critical:
+            return [(Severity.CRITICAL, "loss_z", f"loss z-score {z:.1f} > {self.loss_z_critical:g}")]
+        return [(Severity.WARNING, "loss_z", f"loss z-score {z:.1f} > {self.loss_z_warning:g}")]
+
+    def _check_grad(self, grad_norm: float) -> list[tuple[Severity, str, str]]:
+        findings = []
+        if grad_norm < self.grad_vanish_threshold:
+            findings.append((Severity.WARNING, "grad_vanish",
+                             f"grad norm {_fmt(grad_norm)} < {_fmt(self.grad_vanish_threshold)} (vanishing)"))
+        if len(self._grad_norms) >= self.min_history:
+            reference = median(self._grad_norms)
+            # A zero (or vanished) reference makes any ratio meaningless; the vanish test covers that regime.
+            if reference > self.grad_vanish_threshold and grad_norm > self.grad_explosion_factor * reference:
+                findings.append((Severity.CRITICAL, "grad_explosion",
+                                 f"grad norm {_fmt(grad_norm)} > {self.grad_explosion_factor:g}x "
+                                 f"median {_fmt(reference)}"))
+        return findings
+
+    def oscillation_share(self, loss: float | None = None) -> float | None:
+        """Share of sign changes between consecutive differences of the last ``oscillation_window`` + 1 losses
+        (the accepted ones plus ``loss`` when given), or None while there are too few."""
+        points = self._oscillation_points(loss)
+        return None if points is None else self._sign_change_share(points)
+
+    def _oscillation_points(self, loss: float | None) -> list[float] | None:
+        points = list(self._losses)
+        if loss is not None:
+            points.append(float(loss))
+        needed = self.oscillation_window + 1
+        return points[-needed:] if len(points) >= needed else None
+
+    @staticmethod
+    def _sign_change_share(points: list[float]) -> float:
+        diffs = [b - a for a, b in zip(points, points[1:])]
+        changes = sum(1 for a, b in zip(diffs, diffs[1:]) if a * b < 0)
+        return changes / (len(diffs) - 1)
+
+    @staticmethod
+    def _slope(points: list[float]) -> float:
+        """Least-squares slope in loss units per step."""
+        n = len(points)
+        x_mean = (n - 1) / 2
+        y_mean = sum(points) / n
+        numerator = sum((i - x_mean) * (y - y_mean) for i, y in enumerate(points))
+        denominator = sum((i - x_mean) ** 2 for i in range(n))
+        return numerator / denominator
+
+    def _check_oscillation(self, loss: float) -> list[tuple[Severity, str, str]]:
+        points = self._oscillation_points(loss)
+        if points is None:
+            return []
+        share = self._sign_change_share(points)
+        if share <= self.oscillation_threshold:
+            return []
+        slope = self._slope(points)
+        # Zig-zagging on the way down is normal for noisy SGD; it is only a problem when it goes nowhere.
+        if slope < 0:
+            return []
+        return [(Severity.WARNING, "oscillation",
+                 f"loss oscillating: {share:.0%} sign changes over {self.oscillation_window} steps "
+                 f"> {self.oscillation_threshold:.0%}, slope {_fmt(slope)} >= 0")]
+
+    # ------------------------------------------------------------------ persistence
+    def state_dict(self) -> dict:
+        """Plain-python (JSON-able) snapshot: recent history, event counts and, for reference, the settings."""
+        return {
+            "version": _STATE_VERSION,
+            "losses": list(self._losses),
+            "grad_norms": list(self._grad_norms),
+            "counts": dict(self.counts),
+            "config": {
+                "window": self.window,
+                "loss_z_warning": self.loss_z_warning,
+                "loss_z_critical": self.loss_z_critical,
+                "grad_explosion_factor": self.grad_explosion_factor,
+                "grad_vanish_threshold": self.grad_vanish_threshold,
+                "oscillation_window": self.oscillation_window,
+                "oscillation_threshold": self.oscillation_threshold,
+                "min_history": self.min_history,
+                "relative_scale_floor": self.relative_scale_floor,
+            },
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore history and counts from :meth:`state_dict`.
+
+        The monitor's own constructor settings win over ``state["config"]`` (thresholds may be retuned on
+        resume); history longer than this monitor's window is truncated to the most recent values.
+        """
+        if not isinstance(state, dict):
+            raise ValueError(f"state must be a dict from DivergenceMonitor.state_dict(), got {type(state).__name__}")
+        missing = {"version", "losses", "grad_norms", "counts"} - state.keys()
+        if missing:
+            raise ValueError(f"state is missing keys {sorted(missing)}")
+        if state["version"] != _STATE_VERSION:
+            raise ValueError(f"state version {state['version']!r} is not supported (expected {_STATE_VERSION})")
+        for key in ("losses", "grad_norms"):
+            values = state[key]
+            if not isinstance(values, list) or not all(_is_number(v) and math.isfinite(v) for v in values):
+                raise ValueError(f"state[{key!r}] must be a list of finite numbers")
+        counts = state["counts"]
+        if not isinstance(counts, dict) or set(counts) != set(REASON_KINDS):
+            raise ValueError(f"state['counts'] must have exactly the keys {list(REASON_KINDS)}")
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in counts.values()):
+            raise ValueError("state['counts'] values must be non-negative integers")
+
+        self._losses = deque((float(v) for v in state["losses"]), maxlen=self._loss_capacity)
+        self._grad_norms = deque((float(v) for v in state["grad_norms"]), maxlen=self.window)
+        self.counts = {kind: int(counts[kind]) for kind in REASON_KINDS}

@@ -1,0 +1,167 @@
+"""The phase machine: WARMUP → FULL → (PREDICT → CORRECT)×n → FULL → …
+
+The controller only decides; the trainer measures and acts. Decisions use the confidence the
+trainer reports (dynamics model agreement and realised error, combined with the measured
+acceptance of earlier verifications), a rejection back-off, and optionally a LinUCB bandit.
+"""
+from __future__ import annotations
+
+import enum
+from collections import deque
+from typing import Callable
+
+from .bandit import LinUCBBandit
+from .config import HybridConfig
+
+MAX_BACKOFF = 64
+
+
+class Phase(str, enum.Enum):
+    WARMUP = "WARMUP"
+    FULL = "FULL"
+    PREDICT = "PREDICT"
+    CORRECT = "CORRECT"
+
+    @property
+    def code(self) -> int:
+        return list(Phase).index(self)
+
+
+class PhaseController:
+    """Decides the phase of each step.
+
+    ``confidence(h)`` (supplied by the trainer) returns the confidence in [0, 1] that a predict
+    phase of ``h`` steps will be accepted.
+    """
+
+    def __init__(self, config: HybridConfig):
+        self.config = config
+        self.phase = Phase.WARMUP if config.warmup_steps > 0 else Phase.FULL
+        self.phase_step = 0
+        self.length = config.warmup_steps if config.warmup_steps > 0 else config.full_steps
+        self.cycles = 0  # PREDICT→CORRECT cycles since the last FULL phase
+        self.consecutive_rejections = 0
+        self.consecutive_declines = 0
+        self.backoff = 1
+        self.last_predict_rejected = False
+        self.disabled_reason: str | None = None
+        self.outcomes: deque[bool] = deque(maxlen=20)  # recent verification outcomes
+        self.bandit = (LinUCBBandit(list(config.predict_lengths), n_features=4, alpha=config.bandit_alpha,
+                                    seed=config.seed) if config.use_bandit else None)
+        self.bandit_context: list[float] | None = None
+        self.bandit_arm: int | None = None
+
+    # -- information -----------------------------------------------------------------------
+    @property
+    def prediction_enabled(self) -> bool:
+        return self.disabled_reason is None
+
+    def acceptance_estimate(self) -> float:
+        """Posterior mean of the acceptance probability of a verification (Beta(1, 1) prior)."""
+        return (sum(self.outcomes) + 1) / (len(self.outcomes) + 2)
+
+    # -- events from the trainer -------------------------------------------------------------
+    def record_verification(self, accepted: bool) -> None:
+        self.outcomes.append(accepted)
+
+    def reject_predict_phase(self) -> None:
+        """A verification failed and the weights were rolled back: go to CORRECT, back off."""
+        self.consecutive_rejections += 1
+        self.backoff = min(self.backoff * 2, MAX_BACKOFF)
+        self.last_predict_rejected = True
+        if self.consecutive_rejections >= self.config.max_consecutive_rejections:
+            self.disabled_reason = (f"{self.consecutive_rejections} predict phases in a row were rejected; "
+                                    "prediction is off for the rest of the run")
+        self._enter(Phase.CORRECT, self.config.correct_steps)
+        self.cycles += 1
+
+    def force_full(self) -> None:
+        """After a divergence: real steps only, for a full phase."""
+        self.cycles = 0
+        self._enter(Phase.FULL, self.config.full_steps * self.backoff)
+
+    def finish_bandit_round(self, reward: float) -> None:
+        if self.bandit is not None and self.bandit_arm is not None and self.bandit_context is not None:
+            self.bandit.update(self.bandit_arm, self.bandit_context, reward)
+        self.bandit_arm = self.bandit_context = None
+
+    # -- the step clock ----------------------------------------------------------------------
+    def advance(self, confidence: Callable[[int], float]) -> None:
+        """Count one finished step; at the end of a phase choose the next one."""
+        self.phase_step += 1
+        if self.phase_step < self.length:
+            return
+        cfg = self.config
+        if self.phase is Phase.PREDICT:  # completed without a rejection
+            self.consecutive_rejections = 0
+            self.backoff = 1
+            self.last_predict_rejected = False
+            self.cycles += 1
+            self._enter(Phase.CORRECT, cfg.correct_steps)
+            return
+        if self.phase is Phase.CORRECT and (self.last_predict_rejected or self.cycles >= cfg.max_consecutive_predict):
+            self.cycles = 0
+            self.last_predict_rejected = False
+            self._enter(Phase.FULL, cfg.full_steps * self.backoff)
+            return
+        if self.phase is Phase.WARMUP:
+            self._enter(Phase.FULL, cfg.full_steps)
+            return
+        length = self._choose_length(confidence) if self.prediction_enabled else None
+        if length is None:
+            if self.prediction_enabled:
+                self.consecutive_declines += 1
+                if self.consecutive_declines >= cfg.max_consecutive_declines:
+                    self.disabled_reason = (f"{self.consecutive_declines} phase decisions in a row found prediction "
+                                            "not worth it (worth or confidence below threshold); prediction is off "
+                                            "for the rest of the run")
+            self.cycles = 0
+            self._enter(Phase.FULL, cfg.full_steps * self.backoff)
+        else:
+            self.consecutive_declines = 0
+            self._enter(Phase.PREDICT, length)
+
+    def _choose_length(self, confidence: Callable[[int], float]) -> int | None:
+        cfg = self.config
+        lengths = sorted(cfg.predict_lengths)
+        if self.bandit is not None:
+            base = confidence(lengths[0])
+            if base < cfg.confidence_threshold:
+                return None
+            self.bandit_context = [1.0, base, self.acceptance_estimate(), min(self.cycles, 8) / 8]
+            self.bandit_arm = self.bandit.select(self.bandit_context)
+            return self.bandit_arm
+        chosen = None
+        for length in lengths:  # the longest horizon that is still confident enough
+            if confidence(length) >= cfg.confidence_threshold:
+                chosen = length
+            else:
+                break
+        return chosen
+
+    def _enter(self, phase: Phase, length: int) -> None:
+        self.phase, self.phase_step, self.length = phase, 0, max(1, int(length))
+
+    # -- checkpoint --------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {
+            "phase": self.phase.value, "phase_step": self.phase_step, "length": self.length,
+            "cycles": self.cycles, "consecutive_rejections": self.consecutive_rejections,
+            "consecutive_declines": self.consecutive_declines,
+            "backoff": self.backoff, "last_predict_rejected": self.last_predict_rejected,
+            "disabled_reason": self.disabled_reason, "outcomes": list(self.outcomes),
+            "bandit": None if self.bandit is None else self.bandit.state_dict(),
+            "bandit_context": self.bandit_context, "bandit_arm": self.bandit_arm,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.phase = Phase(state["phase"])
+        self.phase_step, self.length = state["phase_step"], state["length"]
+        self.cycles, self.consecutive_rejections = state["cycles"], state["consecutive_rejections"]
+        self.consecutive_declines = state["consecutive_declines"]
+        self.backoff, self.last_predict_rejected = state["backoff"], state["last_predict_rejected"]
+        self.disabled_reason = state["disabled_reason"]
+        self.outcomes = deque(state["outcomes"], maxlen=20)
+        if self.bandit is not None and state["bandit"] is not None:
+            self.bandit.load_state_dict(state["bandit"])
+        self.bandit_context, self.bandit_arm = state["bandit_context"], state["bandit_arm"]

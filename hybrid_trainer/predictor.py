@@ -1,0 +1,214 @@
+"""Predicted weight updates from the real update history.
+
+Every real (optimizer) step records ``u = θ_after − θ_before`` for every parameter. From that
+history the predictor keeps a *direction* per parameter and a *scale* per parameter tensor:
+
+* direction ``"ema"``: exponential moving average of the updates (fp32).
+* direction ``"linear"``: least-squares slope of the weight trajectory over the last K updates,
+  which are stored in int8 (per-block absmax, :func:`hybrid_kernels.quantize_int8`).
+* scale: per tensor, the least-squares fit of the real update onto the direction,
+  ``s = <u, d> / <d, d>``, smoothed with an EMA and clamped to ``[0, scale_max]``. It is the
+  part of a real step that moves along the direction: the predicted step is ``s · d``.
+
+All fp32 buffers are single flat allocations with one view per parameter, so whole-history
+updates are one tensor op and ``apply_delta_`` sees contiguous deltas.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+import hybrid_kernels as hk
+
+_HISTORY_BLOCK = 256  # int8 block size of the stored updates
+
+
+@dataclass
+class UpdateStats:
+    """What one recorded real update looked like (all plain floats)."""
+
+    update_norm: float  # ||u||_2 over all parameters
+    cosine: float  # cos(u, d) of the whole update against the direction before it was added
+    fitted_scale: float  # global <u, d> / <d, d>
+    # First-order worth of one predicted step relative to this real step: <g, s∘d> / <g, u>
+    # (both are the linearised loss change; 1 = as good as a real step, <= 0 = useless).
+    predicted_worth: float = float("nan")
+
+
+class DeltaPredictor:
+    """Records real updates of ``params`` and applies predicted ones in place.
+
+    Args:
+        params: the trained parameters, all on one device (fp32, fp16 or bf16).
+        direction: ``"ema"`` or ``"linear"``.
+        ema_beta: EMA factor of the direction (``"ema"``).
+        history_size: K updates kept in int8 (``"linear"``).
+        scale_beta: EMA factor of the per-tensor scale fits.
+        scale_max: upper clamp of a scale.
+    """
+
+    def __init__(self, params: list[torch.Tensor], direction: str = "ema", ema_beta: float = 0.98,
+                 history_size: int = 4, scale_beta: float = 0.9, scale_max: float = 4.0):
+        devices = {p.device for p in params}
+        if len(devices) != 1:
+            raise ValueError(f"params must all live on one device, got {sorted(map(str, devices))}")
+        self.params = params
+        self.direction_kind = direction
+        self.ema_beta = ema_beta
+        self.history_size = history_size
+        self.scale_beta = scale_beta
+        self.scale_max = scale_max
+        device = params[0].device
+        self.sizes = [p.numel() for p in params]
+        total = sum(self.sizes)
+        self._before_flat = torch.zeros(total, dtype=torch.float32, device=device)
+        self._ema_flat = torch.zeros(total, dtype=torch.float32, device=device)
+        self._before = self._views(self._before_flat)  # θ before a step; then the update u
+        self._ema = self._views(self._ema_flat)
+        self._linear_flat: torch.Tensor | None = None
+        self._linear: list[torch.Tensor] | None = None
+        self._history: list[tuple[torch.Tensor, torch.Tensor]] = []  # int8 codes + block scales, oldest first
+        self.scales = torch.zeros(len(params), dtype=torch.float32, device=device)
+        self.n_updates = 0
+        self.n_scale_fits = 0
+        self._recording = False
+
+    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [v.view(p.shape) for v, p in zip(flat.split(self.sizes), self.params)]
+
+    # -- recording real updates ------------------------------------------------------------
+    @torch.no_grad()
+    def begin_step(self) -> None:
+        """Call right before ``optimizer.step()``."""
+        torch._foreach_copy_(self._before, [p.detach() for p in self.params])
+        self._recording = True
+
+    @torch.no_grad()
+    def end_step(self, grads: list[torch.Tensor | None] | None = None) -> UpdateStats:
+        """Call right after ``optimizer.step()``: records the update, refits scales, updates the
+        direction. With the step's gradients, also measures the predicted step's worth."""
+        if not self._recording:
+            raise RuntimeError("DeltaPredictor.end_step() without begin_step()")
+        self._recording = False
+        torch._foreach_sub_(self._before, [p.detach().float() if p.dtype != torch.float32 else p.detach()
+                                           for p in self.params])
+        update = self._before_flat.neg_()  # now u = θ_after − θ_before
+        update_views = self._before
+
+        stats = UpdateStats(update_norm=float(update.norm()), cosine=float("nan"), fitted_scale=float("nan"))
+        direction = self.current_direction(refresh=False)
+        if self.n_updates > 0 and direction is not None:
+            worth = self._predicted_worth(grads, update_views, direction[1]) if grads is not None else float("nan")
+            stats = self._fit_scales(update, update_views, direction, stats)
+            stats.predicted_worth = worth
+
+        if self.n_updates == 0:
+            self._ema_flat.copy_(update)
+        else:
+            self._ema_flat.mul_(self.ema_beta).add_(update, alpha=1 - self.ema_beta)
+        if self.direction_kind == "linear":
+            codes, block_scales = hk.quantize_int8(update, "block", block_size=_HISTORY_BLOCK)
+            self._history.append((codes, block_scales))
+            if len(self._history) > self.history_size:
+                self._history.pop(0)
+        self.n_updates += 1
+        return stats
+
+    def _predicted_worth(self, grads, update_views, direction_views) -> float:
+        g_pred, g_real = 0.0, 0.0
+        scales = self.scales.tolist()
+        for g, u, d, s in zip(grads, update_views, direction_views, scales):
+            if g is None:
+                continue
+            g = g.reshape(-1).float()
+            g_real += float(torch.dot(g, u.reshape(-1)))
+            if s:
+                g_pred += s * float(torch.dot(g, d.reshape(-1)))
+        return g_pred / g_real if g_real < 0 else float("nan")
+
+    def _fit_scales(self, update, update_views, direction, stats: UpdateStats) -> UpdateStats:
+        direction_flat, direction_views = direction
+        dots_ud = torch.stack([torch.dot(u.reshape(-1), d.reshape(-1)) for u, d in zip(update_views, direction_views)])
+        dots_dd = torch.stack([torch.dot(d.reshape(-1), d.reshape(-1)) for d in direction_views])
+        fits = torch.where(dots_dd > 0, dots_ud / dots_dd.clamp_min(1e-30), torch.zeros_like(dots_dd))
+        fits = fits.clamp_(0.0, self.scale_max)
+        if self.n_scale_fits == 0:
+            self.scales.copy_(fits)
+        else:
+            self.scales.mul_(self.scale_beta).add_(fits, alpha=1 - self.scale_beta)
+        self.n_scale_fits += 1
+        ud, dd = float(dots_ud.sum()), float(dots_dd.sum())
+        norm_u = stats.update_norm
+        cosine = ud / (math.sqrt(dd) * norm_u) if dd > 0 and norm_u > 0 else 0.0
+        return UpdateStats(update_norm=norm_u, cosine=cosine, fitted_scale=ud / dd if dd > 0 else 0.0)
+
+    # -- the direction ---------------------------------------------------------------------
+    def linear_weights(self, k: int) -> list[float]:
+        """Weights w_j with slope = Σ_j w_j u_j for a least-squares line through θ_0..θ_k."""
+        times = list(range(k + 1))
+        mean_t = sum(times) / len(times)
+        denom = sum((t - mean_t) ** 2 for t in times)
+        # θ_i = θ_0 + Σ_{j<=i} u_j  ⇒  slope = Σ_j u_j Σ_{i>=j} (t_i − t̄) / Σ (t − t̄)²
+        return [sum(t - mean_t for t in times[j:]) / denom for j in range(1, k + 1)]
+
+    @torch.no_grad()
+    def current_direction(self, refresh: bool = True) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+        """(flat, per-parameter views) of the direction; None before any update."""
+        if self.n_updates == 0:
+            return None
+        if self.direction_kind == "ema" or len(self._history) < 2:
+            return self._ema_flat, self._ema
+        if self._linear_flat is None:
+            self._linear_flat = torch.zeros_like(self._ema_flat)
+            self._linear = self._views(self._linear_flat)
+            refresh = True
+        if refresh:
+            self._linear_flat.zero_()
+            for w, (codes, block_scales) in zip(self.linear_weights(len(self._history)), self._history):
+                hk.apply_delta_([self._linear_flat], [codes], w, scales=[block_scales],
+                                granularity="block", block_size=_HISTORY_BLOCK)
+        return self._linear_flat, self._linear
+
+    # -- predicted steps -------------------------------------------------------------------
+    @torch.no_grad()
+    def apply_predicted_step(self, multiplier: float = 1.0) -> torch.Tensor:
+        """Add ``multiplier · scale_i · d_i`` to every parameter in place; returns per-tensor step norms."""
+        direction = self.current_direction(refresh=False)
+        if direction is None:
+            raise RuntimeError("no update recorded yet: nothing to predict from")
+        norms = torch.empty(len(self.params), dtype=torch.float32, device=self.scales.device)
+        hk.apply_delta_(self.params, direction[1], self.scales * multiplier, out_norms=norms)
+        return norms
+
+    def predicted_step_norm(self) -> float:
+        direction = self.current_direction(refresh=False)
+        if direction is None:
+            return 0.0
+        norms = torch.stack([d.norm() for d in direction[1]])
+        return float((norms * self.scales).norm())
+
+    # -- checkpoint ------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {
+            "ema": self._ema_flat.clone(),
+            "linear": None if self._linear_flat is None else self._linear_flat.clone(),
+            "history": [(c.clone(), s.clone()) for c, s in self._history],
+            "scales": self.scales.clone(),
+            "n_updates": self.n_updates,
+            "n_scale_fits": self.n_scale_fits,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self._ema_flat.copy_(state["ema"])
+        if state["linear"] is not None:
+            if self._linear_flat is None:
+                self._linear_flat = torch.zeros_like(self._ema_flat)
+                self._linear = self._views(self._linear_flat)
+            self._linear_flat.copy_(state["linear"])
+        device = self._ema_flat.device
+        self._history = [(c.to(device), s.to(device)) for c, s in state["history"]]
+        self.scales.copy_(state["scales"])
+        self.n_updates = int(state["n_updates"])
+        self.n_scale_fits = int(state["n_scale_fits"])

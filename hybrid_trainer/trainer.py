@@ -1,0 +1,484 @@
+"""HybridTrainer: a drop-in training step that replaces some optimizer steps with verified,
+in-place predicted updates.
+
+The trainer orchestrates; the parts compute: :class:`~hybrid_trainer.predictor.DeltaPredictor`
+(update history, direction, scales, in-place application), :class:`~hybrid_trainer.anchor.WeightAnchor`
+(exact rollback), :class:`~hybrid_trainer.dynamics.DynamicsModel` (loss forecasts, confidence),
+:mod:`~hybrid_trainer.verifier` (noise-aware acceptance), :class:`~hybrid_trainer.phases.PhaseController`
+(the phase machine) and :class:`~hybrid_trainer.divergence.DivergenceMonitor`.
+
+Contract of ``loss_fn(model, batch) -> scalar tensor``: it runs the forward pass on ``batch``
+(any structure: tensors, tuples, dicts) and returns the mean loss as a 0-d tensor attached to
+the graph. The trainer calls it under ``torch.autocast`` when configured, never calls
+``backward`` on anything else, and calls it under ``torch.no_grad()`` to verify predictions.
+
+Batches consumed during PREDICT: each ``trainer.step(batch)`` in PREDICT applies one predicted
+update and does **not** train on ``batch``; on verification steps the batch is used only for the
+forward-only check. Those batches are skipped, not replayed: a run over N batches sees fewer
+of them in backward passes, which is part of what the benchmark charges the trainer for.
+
+The LR scheduler (optional) is stepped only after real optimizer steps, so a schedule counts
+real updates; predicted steps do not advance it.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+
+import hybrid_kernels as hk
+from hybrid_kernels.encode_state import NUM_FEATURES
+
+from . import checkpoint
+from .anchor import WeightAnchor
+from .config import HybridConfig
+from .divergence import DivergenceMonitor, Severity
+from .dynamics import DynamicsModel
+from .metrics import MetricsLogger
+from .normalizer import RunningNormalizer
+from .phases import Phase, PhaseController
+from .predictor import DeltaPredictor
+from .verifier import LossTrend, verify
+
+CHECKPOINT_VERSION = 1
+
+
+@dataclass
+class StepResult:
+    """What one ``trainer.step`` did."""
+
+    step: int
+    phase: str
+    loss: float | None  # training loss (real steps) or verification loss (verified predicted steps)
+    backward_done: bool
+    predicted_loss: float | None = None  # loss the trajectory forecast expected at a verification
+    verified: bool = False
+    accepted: bool | None = None  # outcome of the verification, None if none happened
+    rolled_back: bool = False
+    skipped: bool = False  # a real step whose update was refused (non-finite or divergent)
+    divergence: str = "OK"
+    grad_norm: float | None = None
+    lr: float | None = None
+    confidence: float | None = None
+    wall_time_s: float = 0.0
+
+
+@dataclass
+class RunStatistics:
+    steps_by_phase: dict[str, int] = field(default_factory=lambda: {p.value: 0 for p in Phase})
+    time_by_phase_s: dict[str, float] = field(default_factory=lambda: {p.value: 0.0 for p in Phase})
+    backward_passes: int = 0
+    forward_passes: int = 0
+    optimizer_steps: int = 0
+    predicted_steps: int = 0
+    predicted_steps_kept: int = 0
+    predicted_steps_rolled_back: int = 0
+    verifications: int = 0
+    verifications_accepted: int = 0
+    predict_phases: int = 0
+    predict_phases_rejected: int = 0
+    divergence_rollbacks: int = 0
+    skipped_steps: int = 0
+
+
+class HybridTrainer:
+    """Train ``model`` with ``optimizer`` on ``loss_fn``, predicting some updates.
+
+    Args:
+        model: any ``nn.Module``; all trainable parameters on one device.
+        optimizer: any ``torch.optim.Optimizer`` over (a subset of) the model's parameters.
+        loss_fn: ``loss_fn(model, batch) -> 0-d tensor`` (see module docstring).
+        config: :class:`HybridConfig` (defaults if None).
+        scheduler: optional LR scheduler, stepped after each real optimizer step.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], config: HybridConfig | None = None,
+                 scheduler: Any | None = None):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if not callable(loss_fn):
+            raise TypeError("loss_fn must be callable as loss_fn(model, batch) -> scalar tensor")
+        config = HybridConfig() if config is None else config
+        if not isinstance(config, HybridConfig):
+            raise TypeError(f"config must be a HybridConfig, got {type(config).__name__}")
+        config.validate()
+        self.model, self.optimizer, self.loss_fn, self.config, self.scheduler = model, optimizer, loss_fn, config, scheduler
+
+        optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        self.params = [p for p in model.parameters() if p.requires_grad and id(p) in optimized]
+        if not self.params:
+            raise ValueError("optimizer holds none of the model's trainable parameters")
+        self.device = self.params[0].device
+
+        self.predictor = DeltaPredictor(self.params, config.direction, config.ema_beta, config.history_size,
+                                        config.scale_beta, config.scale_max)
+        self.anchor = WeightAnchor(self.params)  # last verified point of a PREDICT phase
+        self.good_state = WeightAnchor(self.params)  # last healthy point (divergence rollback)
+        self.history = hk.StateHistory(device=self.device)
+        self.normalizer = RunningNormalizer(NUM_FEATURES)
+        self.dynamics = DynamicsModel(n_features=NUM_FEATURES, hidden=config.dynamics_hidden,
+                                      ensemble=config.dynamics_ensemble, horizon=config.horizon,
+                                      window=config.dynamics_window, lr=config.dynamics_lr,
+                                      batch=config.dynamics_batch, seed=config.seed, device=self.device)
+        self.monitor = DivergenceMonitor(**config.divergence)
+        self.controller = PhaseController(config)
+        self.loss_trend = LossTrend()
+        self.metrics = MetricsLogger(config.metrics_path)
+        self.stats = RunStatistics()
+        self.scaler = (torch.amp.GradScaler(self.device.type)
+                       if config.autocast_dtype == "float16" else None)
+
+        self.step_count = 0
+        self._forecast: dict[str, torch.Tensor] | None = None
+        self._last_update_cosine = float("nan")
+        self.predicted_worth: float | None = None  # EMA of UpdateStats.predicted_worth
+        # State of the PREDICT phase in progress.
+        self._predict_base_loss: float | None = None
+        self._last_verified_loss: float | None = None
+        self._last_verified_single_batch = False
+        self._unverified_steps = 0
+
+    # ================================================================================ step ====
+    def step(self, batch: Any) -> StepResult:
+        """One training step on ``batch`` (a list of ``grad_accumulation`` micro-batches when
+        accumulation is configured). Returns a :class:`StepResult`."""
+        started = time.perf_counter()
+        phase = self.controller.phase
+        if phase is Phase.PREDICT:
+            result = self._predict_step(batch)
+        else:
+            result = self._real_step(batch, phase)
+        result.wall_time_s = time.perf_counter() - started
+        self.stats.steps_by_phase[phase.value] += 1
+        self.stats.time_by_phase_s[phase.value] += result.wall_time_s
+        self.step_count += 1
+        if not (phase is Phase.PREDICT and result.rolled_back):
+            self.controller.advance(self._confidence)
+        self._log(result)
+        return result
+
+    def _micro_batches(self, batch: Any) -> Sequence[Any]:
+        k = self.config.grad_accumulation
+        if k == 1:
+            return [batch]
+        # A list, not any sequence: a (inputs, targets) tuple is one batch, never two micro-batches.
+        if not isinstance(batch, list) or len(batch) != k:
+            raise ValueError(f"batch: with grad_accumulation={k}, pass a list of {k} micro-batches, "
+                             f"got {type(batch).__name__}")
+        return batch
+
+    def _autocast(self):
+        dtype = self.config.autocast_dtype
+        if dtype is None:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=getattr(torch, dtype))
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        with self._autocast():
+            loss = self.loss_fn(self.model, batch)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
+                            f"{'' if not isinstance(loss, torch.Tensor) else ' of shape ' + str(tuple(loss.shape))}")
+        return loss.reshape(())
+
+    # ----------------------------------------------------------------------- real steps ----
+    def _real_step(self, batch: Any, phase: Phase) -> StepResult:
+        cfg = self.config
+        self.optimizer.zero_grad(set_to_none=True)
+        micro = self._micro_batches(batch)
+        total = 0.0
+        for part in micro:
+            loss = self._loss(part) / len(micro)
+            value = float(loss.detach())
+            total += value
+            if not math.isfinite(value):
+                break  # no backward of a non-finite loss
+            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+            self.stats.backward_passes += 1
+        self.stats.forward_passes += len(micro)
+        lr = float(self.optimizer.param_groups[0]["lr"])
+
+        grad_norm = None
+        if math.isfinite(total):
+            if self.scaler is not None:
+                self.scaler.unscale_(self.optimizer)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip or float("inf")))
+        if self.scaler is not None and grad_norm is not None and not math.isfinite(grad_norm):
+            grad_for_check = None  # fp16 overflow: the GradScaler skips this step by itself
+        else:
+            grad_for_check = grad_norm
+        report = self.monitor.check(total, grad_for_check)
+        if report.critical:
+            return self._refuse_update(phase, total, grad_norm, lr, report)
+
+        record = self.controller.prediction_enabled
+        if record:
+            self.predictor.begin_step()
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.stats.optimizer_steps += 1
+        if self.scheduler is not None:
+            self.scheduler.step()
+        update_norm = None
+        if record:
+            update = self.predictor.end_step([p.grad for p in self.params])
+            update_norm = update.update_norm
+            if math.isfinite(update.cosine):
+                self._last_update_cosine = update.cosine
+            if math.isfinite(update.predicted_worth):
+                w = max(-1.0, min(1.0, update.predicted_worth))
+                self.predicted_worth = w if self.predicted_worth is None else 0.9 * self.predicted_worth + 0.1 * w
+        self.optimizer.zero_grad(set_to_none=True)
+
+        self.monitor.observe(total, grad_norm)
+        self.loss_trend.update(total)
+        self._observe_state(phase, total, grad_norm, update_norm, lr)
+        real_steps = self.stats.optimizer_steps
+        if cfg.good_state_every and (real_steps % cfg.good_state_every == 1 or not self.good_state.is_set) \
+                and report.severity is Severity.OK:
+            self.good_state.save(self.step_count, self.optimizer)
+        return StepResult(step=self.step_count, phase=phase.value, loss=total, backward_done=True,
+                          divergence=report.severity.name, grad_norm=grad_norm, lr=lr)
+
+    def _refuse_update(self, phase: Phase, loss: float, grad_norm: float | None, lr: float, report) -> StepResult:
+        """A critical divergence: the update is not applied; weights go back to the last good
+        state if they are already off (a loss spike), and the run continues in FULL."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.stats.skipped_steps += 1
+        rolled_back = False
+        non_finite = not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm))
+        if not non_finite and self.good_state.is_set:
+            self.good_state.restore(self.optimizer)
+            self.stats.divergence_rollbacks += 1
+            rolled_back = True
+        self.monitor.reset_window() if rolled_back else None
+        self.controller.force_full()
+        return StepResult(step=self.step_count, phase=phase.value, loss=loss if math.isfinite(loss) else None,
+                          backward_done=self.stats.backward_passes > 0 and math.isfinite(loss), skipped=True,
+                          rolled_back=rolled_back, divergence="; ".join(report.reasons) or report.severity.name,
+                          grad_norm=grad_norm, lr=lr)
+
+    def _observe_state(self, phase: Phase, loss: float, grad_norm: float | None, update_norm: float | None,
+                       lr: float) -> None:
+        """Feed the 64-feature state encoder and the dynamics model with a real step."""
+        cfg = self.config
+        h = self.history
+        h.push_loss(loss)
+        if grad_norm is not None and math.isfinite(grad_norm):
+            h.push_grad_norm(grad_norm)
+        if update_norm is not None:
+            h.push_update_norm(update_norm)
+        h.lr, h.step, h.phase, h.phase_step = lr, self.step_count, phase.code, self.controller.phase_step
+        h.acceptance_rate = self.controller.acceptance_estimate()
+        errors = self.dynamics.error_report()
+        h.prediction_error = errors.get(1, 0.0) / max(self.loss_trend.noise_std, 1e-12) if errors else 0.0
+        if not self.controller.prediction_enabled:
+            return  # nothing will be predicted: spare the encoder and the dynamics model
+        features = hk.encode_state(h, optimizer_state=self.optimizer)
+        self.normalizer.update(features)
+        self.dynamics.observe(self.normalizer.normalize(features), loss)
+        if self.stats.optimizer_steps % cfg.dynamics_train_every == 0 and self.dynamics.ready():
+            self.dynamics.train_step()
+            self._forecast = self.dynamics.forecast()
+
+    # ------------------------------------------------------------------- predicted steps ----
+    def _confidence(self, horizon: int) -> float:
+        """Confidence that a predict phase of ``horizon`` steps is accepted: geometric mean of the
+        measured acceptance estimate and the dynamics model's confidence at that horizon."""
+        if self.predictor.n_scale_fits == 0 or not self.loss_trend.count:
+            return 0.0
+        if self.predicted_worth is None or self.predicted_worth < self.config.min_predicted_worth:
+            return 0.0
+        model_conf = self.dynamics.confidence(self._forecast, horizon, self.loss_trend.noise_std)
+        return math.sqrt(self.controller.acceptance_estimate() * model_conf)
+
+    def _predict_step(self, batch: Any) -> StepResult:
+        cfg = self.config
+        ctl = self.controller
+        if ctl.phase_step == 0:
+            self.anchor.save(self.step_count)
+            self._predict_base_loss = self.loss_trend.mean
+            self._last_verified_loss = self.loss_trend.mean
+            self._last_verified_single_batch = False
+            self._unverified_steps = 0
+            self.stats.predict_phases += 1
+        self.predictor.apply_predicted_step()
+        self.stats.predicted_steps += 1
+        self._unverified_steps += 1
+        horizon = ctl.phase_step + 1
+        result = StepResult(step=self.step_count, phase=Phase.PREDICT.value, loss=None, backward_done=False,
+                            confidence=None)
+        if horizon % cfg.verify_every != 0 and horizon < ctl.length:
+            return result
+
+        with torch.no_grad():
+            micro = self._micro_batches(batch)
+            loss = sum(float(self._loss(part)) for part in micro) / len(micro)
+        self.stats.forward_passes += len(micro)
+        self.stats.verifications += 1
+        expected = None
+        if self._forecast is not None and self._predict_base_loss is not None:
+            expected = self._predict_base_loss + float(self._forecast["mean"][min(horizon, self.dynamics.horizon) - 1])
+        verdict = verify(loss, expected, self._last_verified_loss, self._last_verified_single_batch,
+                         self.loss_trend.noise_std, cfg.loss_tolerance, cfg.noise_z)
+        ctl.record_verification(verdict.accepted)
+        result.loss, result.predicted_loss, result.verified, result.accepted = (
+            loss if math.isfinite(loss) else None, expected, True, verdict.accepted)
+        if verdict.accepted:
+            self.stats.verifications_accepted += 1
+            self.stats.predicted_steps_kept += self._unverified_steps
+            self.anchor.save(self.step_count)
+            self._last_verified_loss, self._last_verified_single_batch = loss, True
+            self._unverified_steps = 0
+            if horizon >= ctl.length:
+                self._finish_bandit_round(loss)
+        else:
+            self.anchor.restore()
+            self.stats.predicted_steps_rolled_back += self._unverified_steps
+            self.stats.predict_phases_rejected += 1
+            self._unverified_steps = 0
+            result.rolled_back = True
+            result.divergence = verdict.reason
+            self._finish_bandit_round(self._last_verified_loss)
+            ctl.reject_predict_phase()
+        return result
+
+    def _finish_bandit_round(self, end_loss: float | None) -> None:
+        """Bandit reward: loss progress of the phase in units of batch noise, per verification."""
+        if self.controller.bandit is None or self._predict_base_loss is None or end_loss is None:
+            return
+        progress = (self._predict_base_loss - end_loss) / max(self.loss_trend.noise_std, 1e-12)
+        verifications = max(1, math.ceil(self.controller.length / self.config.verify_every))
+        self.controller.finish_bandit_round(progress / verifications)
+
+    # ============================================================================ reporting ====
+    def _log(self, result: StepResult) -> None:
+        record = asdict(result)
+        record["next_phase"] = self.controller.phase.value
+        self.metrics.log(record)
+
+    def statistics(self) -> dict[str, Any]:
+        """Counters of the run so far (plain Python types)."""
+        s = asdict(self.stats)
+        real_steps = s["steps_by_phase"]["WARMUP"] + s["steps_by_phase"]["FULL"] + s["steps_by_phase"]["CORRECT"]
+        s.update(
+            steps=self.step_count,
+            real_steps=real_steps,
+            backward_passes_saved=self.stats.predicted_steps * self.config.grad_accumulation,
+            backward_saved_fraction=(self.stats.predicted_steps / self.step_count) if self.step_count else 0.0,
+            acceptance_rate=(self.stats.verifications_accepted / self.stats.verifications)
+            if self.stats.verifications else None,
+            prediction_enabled=self.controller.prediction_enabled,
+            prediction_disabled_reason=self.controller.disabled_reason,
+            dynamics_error_by_horizon=self.dynamics.error_report(),
+            dynamics_train_steps=self.dynamics.train_steps,
+            loss_noise_std=self.loss_trend.noise_std,
+            divergence_events=dict(self.monitor.counts),
+            predicted_scale_mean=float(self.predictor.scales.mean()),
+            last_update_cosine=self._last_update_cosine,
+            predicted_step_worth=self.predicted_worth,
+        )
+        return s
+
+    def summary(self) -> str:
+        """A short human-readable report of the run."""
+        s = self.statistics()
+        lines = [
+            f"steps {s['steps']}: " + ", ".join(f"{k} {v}" for k, v in s["steps_by_phase"].items()),
+            f"backward passes {s['backward_passes']} done, {s['backward_passes_saved']} saved "
+            f"({100 * s['backward_saved_fraction']:.1f}% of steps predicted)",
+            f"predicted steps {s['predicted_steps']}: {s['predicted_steps_kept']} kept, "
+            f"{s['predicted_steps_rolled_back']} rolled back; verifications {s['verifications']} "
+            f"({s['verifications_accepted']} accepted); predict phases {s['predict_phases']} "
+            f"({s['predict_phases_rejected']} rejected)",
+            f"divergence rollbacks {s['divergence_rollbacks']}, skipped updates {s['skipped_steps']}",
+            "time per phase: " + ", ".join(f"{k} {v:.2f}s" for k, v in s["time_by_phase_s"].items()),
+        ]
+        if s["dynamics_error_by_horizon"]:
+            errs = s["dynamics_error_by_horizon"]
+            shown = {h: errs[h] for h in sorted(errs) if h in (1, 2, 4, 8, 16, 32) or h == max(errs)}
+            lines.append("dynamics |error| by horizon (loss units): "
+                         + ", ".join(f"h{h} {v:.3g}" for h, v in shown.items())
+                         + f"; batch noise {s['loss_noise_std']:.3g}")
+        if not s["prediction_enabled"]:
+            lines.append(f"prediction disabled: {s['prediction_disabled_reason']}")
+        return "\n".join(lines)
+
+    # =========================================================================== checkpoint ====
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume exactly (model, optimizer, scheduler, predictor, anchors,
+        dynamics model, histories, controller, monitors, counters, RNG)."""
+        return {
+            "version": CHECKPOINT_VERSION,
+            "config": self.config.to_dict(),
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+            "scaler": None if self.scaler is None else self.scaler.state_dict(),
+            "predictor": self.predictor.state_dict(),
+            "anchor": self.anchor.state_dict(),
+            "good_state": self.good_state.state_dict(),
+            "history": self.history.state_dict(),
+            "normalizer": self.normalizer.state_dict(),
+            "dynamics": self.dynamics.full_state_dict(),
+            "monitor": self.monitor.state_dict(),
+            "controller": self.controller.state_dict(),
+            "loss_trend": self.loss_trend.state_dict(),
+            "stats": asdict(self.stats),
+            "trainer": {
+                "step_count": self.step_count,
+                "forecast": self._forecast,
+                "last_update_cosine": self._last_update_cosine,
+                "predicted_worth": self.predicted_worth,
+                "predict_base_loss": self._predict_base_loss,
+                "last_verified_loss": self._last_verified_loss,
+                "last_verified_single_batch": self._last_verified_single_batch,
+                "unverified_steps": self._unverified_steps,
+            },
+            "rng": checkpoint.capture_rng(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("version") != CHECKPOINT_VERSION:
+            raise ValueError(f"checkpoint version {state.get('version')!r} is not {CHECKPOINT_VERSION}")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and state["scaler"] is not None:
+            self.scaler.load_state_dict(state["scaler"])
+        self.predictor.load_state_dict(state["predictor"])
+        self.anchor.load_state_dict(state["anchor"])
+        self.good_state.load_state_dict(state["good_state"])
+        self.history.load_state_dict(state["history"])
+        self.normalizer.load_state_dict(state["normalizer"])
+        self.dynamics.load_full_state_dict(state["dynamics"])
+        self.monitor.load_state_dict(state["monitor"])
+        self.controller.load_state_dict(state["controller"])
+        self.loss_trend.load_state_dict(state["loss_trend"])
+        self.stats = RunStatistics(**state["stats"])
+        t = state["trainer"]
+        self.step_count, self._forecast = t["step_count"], t["forecast"]
+        self._last_update_cosine = t["last_update_cosine"]
+        self.predicted_worth = t["predicted_worth"]
+        self._predict_base_loss, self._last_verified_loss = t["predict_base_loss"], t["last_verified_loss"]
+        self._last_verified_single_batch, self._unverified_steps = t["last_verified_single_batch"], t["unverified_steps"]
+        checkpoint.restore_rng(state["rng"])
+
+    def save(self, path) -> None:
+        """Write the full state atomically (temporary file, fsync, rename)."""
+        checkpoint.atomic_save(self.state_dict(), path)
+
+    def load(self, path) -> None:
+        self.load_state_dict(checkpoint.load(path, map_location=self.device))

@@ -1,0 +1,254 @@
+"""DivergenceMonitor: each signal fires when it should, stays quiet when it should not, and round-trips."""
+import json
+import math
+
+import numpy as np
+import pytest
+
+from hybrid_trainer.divergence import REASON_KINDS, DivergenceMonitor, DivergenceReport, Severity
+
+
+def noisy_decreasing_losses(seed: int, steps: int = 200, start: float = 2.5, noise: float = 0.05) -> list[float]:
+    """Exponentially decaying loss plus Gaussian minibatch noise: what an ordinary healthy run looks like."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(steps)
+    return list(start * np.exp(-t / 150) + 0.5 + rng.normal(0.0, noise, steps))
+
+
+def fed_monitor(losses, grad_norms=None, **kwargs) -> DivergenceMonitor:
+    monitor = DivergenceMonitor(**kwargs)
+    for i, loss in enumerate(losses):
+        monitor.observe(loss, None if grad_norms is None else grad_norms[i])
+    return monitor
+
+
+def test_report_critical_property():
+    assert DivergenceReport(Severity.CRITICAL, ["x"]).critical
+    assert not DivergenceReport(Severity.WARNING, ["x"]).critical
+    assert not DivergenceReport(Severity.OK, []).critical
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_loss_is_critical_even_without_history(bad):
+    monitor = DivergenceMonitor()
+    report = monitor.check(bad)
+    assert report.severity == Severity.CRITICAL and report.critical
+    assert any("nan" in r or "inf" in r for r in report.reasons)
+    assert report.kinds == ["nan"]
+    assert monitor.counts["nan"] == 1
+
+
+def test_nan_loss_reason_mentions_nan():
+    report = DivergenceMonitor().check(float("nan"), grad_norm=1.0)
+    assert report.critical
+    assert any("nan" in reason.lower() for reason in report.reasons)
+
+
+def test_non_finite_grad_norm_is_critical():
+    monitor = fed_monitor([1.0] * 20, [1.0] * 20)
+    report = monitor.check(1.0, grad_norm=float("inf"))
+    assert report.critical
+    assert any("grad norm is inf" in r for r in report.reasons)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_steady_noisy_decreasing_loss_stays_ok_for_200_steps(seed):
+    monitor = DivergenceMonitor()
+    rng = np.random.default_rng(100 + seed)
+    for step, loss in enumerate(noisy_decreasing_losses(seed)):
+        grad_norm = float(abs(rng.normal(2.0, 0.3)))
+        report = monitor.check(loss, grad_norm)
+        assert report.severity == Severity.OK, (step, report.reasons)
+        monitor.observe(loss, grad_norm)
+    assert sum(monitor.counts.values()) == 0
+
+
+def test_tenfold_spike_is_critical_and_not_recorded_by_check():
+    losses = noisy_decreasing_losses(0, steps=60)
+    monitor = fed_monitor(losses)
+    before = monitor.state_dict()
+    spike = 10 * losses[-1]
+    report = monitor.check(spike)
+    assert report.critical
+    assert report.kinds == ["loss_z"]
+    assert any(r.startswith("loss z-score") and "> 6" in r for r in report.reasons)
+    assert monitor.counts["loss_z"] == 1
+    # check() is pure with respect to history: the spike did not move the baseline.
+    after = monitor.state_dict()
+    assert after["losses"] == before["losses"] and after["grad_norms"] == before["grad_norms"]
+    assert monitor.check(spike, count=False).critical
+    assert monitor.counts["loss_z"] == 1
+
+
+def test_moderate_rise_is_warning_not_critical():
+    rng = np.random.default_rng(3)
+    losses = list(1.0 + rng.normal(0.0, 0.01, 50))
+    monitor = fed_monitor(losses)
+    z_target = 4.5  # between the warning (3) and critical (6) thresholds
+    scale = (monitor.loss_z_score(2.0) - monitor.loss_z_score(1.0))  # z per unit of loss
+    candidate = float(np.median(losses)) + z_target / scale
+    report = monitor.check(candidate)
+    assert report.severity == Severity.WARNING, report.reasons
+    assert report.kinds == ["loss_z"]
+
+
+def test_sudden_drop_after_steady_decline_is_ok():
+    losses = noisy_decreasing_losses(1, steps=80)
+    monitor = fed_monitor(losses)
+    report = monitor.check(losses[-1] * 0.1)
+    assert report.severity == Severity.OK, report.reasons
+
+
+def test_no_loss_z_test_before_min_history():
+    monitor = fed_monitor([1.0, 1.01, 0.99], min_history=10)
+    assert monitor.loss_z_score(100.0) is None
+    assert monitor.check(100.0).severity == Severity.OK
+    monitor = fed_monitor([1.0, 1.01, 0.99] * 4, min_history=10)
+    assert monitor.check(100.0).critical
+
+
+def test_flat_loss_does_not_turn_rounding_into_alarm():
+    monitor = fed_monitor([2.0] * 30)
+    assert monitor.check(2.0 + 1e-6).severity == Severity.OK
+    assert monitor.check(2.0 * 3).critical  # the relative floor still lets a real jump through
+
+
+def test_grad_explosion_is_critical():
+    rng = np.random.default_rng(0)
+    grads = list(np.abs(rng.normal(2.0, 0.2, 30)))
+    monitor = fed_monitor([1.0] * 30, grads)
+    report = monitor.check(1.0, grad_norm=1e5)
+    assert report.critical
+    assert report.kinds == ["grad_explosion"]
+    assert any(r.startswith("grad norm 1e+05 > 10x median") for r in report.reasons), report.reasons
+    # Just below the factor is fine.
+    assert monitor.check(1.0, grad_norm=9.0 * float(np.median(grads))).severity == Severity.OK
+    assert monitor.counts["grad_explosion"] == 1
+
+
+def test_grad_explosion_needs_history():
+    monitor = fed_monitor([1.0] * 3, [1.0] * 3)
+    assert monitor.check(1.0, grad_norm=1e5).severity == Severity.OK
+
+
+def test_vanishing_gradient_is_warning():
+    monitor = fed_monitor([1.0] * 30, [1.0] * 30)
+    report = monitor.check(1.0, grad_norm=1e-12)
+    assert report.severity == Severity.WARNING
+    assert report.kinds == ["grad_vanish"]
+    assert "vanishing" in report.reasons[0]
+    assert monitor.counts["grad_vanish"] == 1
+
+
+def test_loss_none_runs_only_grad_checks():
+    monitor = fed_monitor([1.0] * 30, [1.0] * 30)
+    assert monitor.check(None, grad_norm=1.0).severity == Severity.OK
+    assert monitor.check(None, grad_norm=100.0).critical
+    assert monitor.check(None).severity == Severity.OK
+
+
+def test_oscillation_without_progress_is_warning():
+    # Zig-zag around a flat level: every difference changes sign and nothing is gained.
+    zigzag = [1.0 + (0.05 if i % 2 else -0.05) for i in range(40)]
+    monitor = fed_monitor(zigzag)
+    report = monitor.check(zigzag[-2])  # continues the pattern
+    assert report.severity == Severity.WARNING, report.reasons
+    assert report.kinds == ["oscillation"]
+    assert monitor.oscillation_share(zigzag[-2]) == 1.0
+    assert monitor.counts["oscillation"] == 1
+
+
+def test_oscillation_while_decreasing_is_ok():
+    zigzag_down = [2.0 - 0.02 * i + (0.05 if i % 2 else -0.05) for i in range(40)]
+    monitor = fed_monitor(zigzag_down)
+    nxt = 2.0 - 0.02 * 40 - 0.05
+    assert monitor.oscillation_share(nxt) == 1.0
+    assert monitor.check(nxt).severity == Severity.OK
+
+
+def test_iid_noise_is_not_oscillation():
+    # Independent noise changes direction about 2/3 of the time: below the 0.85 threshold.
+    rng = np.random.default_rng(5)
+    monitor = fed_monitor(list(1.0 + rng.normal(0, 0.01, 50)), oscillation_window=40)
+    share = monitor.oscillation_share()
+    assert 0.4 < share < 0.85
+    assert "oscillation" not in monitor.check(1.0).kinds
+
+
+def test_observe_ignores_non_finite_and_reset_window_forgets():
+    monitor = DivergenceMonitor()
+    monitor.observe(float("nan"), float("inf"))
+    monitor.observe(None, None)
+    assert monitor.history_length == 0
+    for loss in [1.0] * 12:
+        monitor.observe(loss, 1.0)
+    assert monitor.check(50.0).critical
+    monitor.reset_window()
+    assert monitor.history_length == 0
+    assert monitor.check(50.0).severity == Severity.OK  # no baseline left to compare with
+    assert monitor.counts["loss_z"] == 1  # counts survive the reset
+
+
+def test_history_is_bounded_by_window():
+    monitor = fed_monitor([float(i) for i in range(200)], [1.0] * 200, window=30, oscillation_window=10)
+    state = monitor.state_dict()
+    assert len(state["losses"]) == 30 and state["losses"][-1] == 199.0
+    assert len(state["grad_norms"]) == 30
+
+
+def test_state_dict_round_trip_is_exact_and_json_able():
+    losses = noisy_decreasing_losses(2, steps=70)
+    rng = np.random.default_rng(9)
+    grads = list(np.abs(rng.normal(1.0, 0.1, 70)))
+    monitor = fed_monitor(losses, grads)
+    monitor.check(float("nan"))
+    monitor.check(losses[-1] * 20)
+    state = json.loads(json.dumps(monitor.state_dict()))
+    restored = DivergenceMonitor()
+    restored.load_state_dict(state)
+    assert restored.state_dict() == monitor.state_dict()
+    assert restored.counts == monitor.counts and set(restored.counts) == set(REASON_KINDS)
+    for loss, grad in [(losses[-1], 1.0), (losses[-1] * 1.3, 1.0), (losses[-1], 50.0), (losses[-1] * 0.5, 1e-12)]:
+        a, b = monitor.check(loss, grad, count=False), restored.check(loss, grad, count=False)
+        assert (a.severity, a.reasons) == (b.severity, b.reasons)
+
+
+def test_load_state_dict_rejects_malformed_state():
+    monitor = DivergenceMonitor()
+    good = monitor.state_dict()
+    with pytest.raises(ValueError, match="missing keys"):
+        monitor.load_state_dict({"version": 1})
+    with pytest.raises(ValueError, match="losses"):
+        monitor.load_state_dict({**good, "losses": [1.0, math.nan]})
+    with pytest.raises(ValueError, match="counts"):
+        monitor.load_state_dict({**good, "counts": {"nan": 1}})
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"window": 1}, "window"),
+        ({"window": 2.5}, "window"),
+        ({"loss_z_warning": 0}, "loss_z_warning"),
+        ({"loss_z_warning": float("nan")}, "loss_z_warning"),
+        ({"loss_z_critical": 2.0}, "loss_z_critical"),
+        ({"grad_explosion_factor": 1.0}, "grad_explosion_factor"),
+        ({"grad_vanish_threshold": -1.0}, "grad_vanish_threshold"),
+        ({"oscillation_window": 2}, "oscillation_window"),
+        ({"oscillation_threshold": 0.0}, "oscillation_threshold"),
+        ({"oscillation_threshold": 1.5}, "oscillation_threshold"),
+        ({"min_history": 1}, "min_history"),
+        ({"min_history": 60}, "min_history"),
+        ({"min_history": True}, "min_history"),
+    ],
+)
+def test_constructor_validation_names_argument_and_range(kwargs, name):
+    with pytest.raises(ValueError, match=name) as info:
+        DivergenceMonitor(**kwargs)
+    message = str(info.value)
+    assert any(token in message for token in (">", "in [", "in (")), message
+
+
+def test_negative_grad_norm_is_rejected():
+    with pytest.raises(ValueError, match="grad_norm"):
+        DivergenceMonitor().check(1.0, grad_norm=-1.0)

@@ -1,0 +1,286 @@
+"""HybridTrainer behaviour: every claim of the design has a test here that fails if it breaks."""
+import json
+import math
+
+import pytest
+import torch
+
+import hybrid_kernels as hk
+from hybrid_trainer import HybridConfig, HybridTrainer, Phase
+
+from _digits import batches, cross_entropy, digits_tensors, mlp
+
+# Small dynamics model and short phases keep the suite fast; semantics are the same as the defaults.
+FAST = dict(warmup_steps=8, full_steps=8, correct_steps=3, predict_lengths=(4,), verify_every=4,
+            dynamics_hidden=32, dynamics_window=4, dynamics_batch=8, dynamics_train_every=2)
+
+
+@pytest.fixture(autouse=True)
+def eager_kernels(monkeypatch):
+    """Trainer logic does not depend on the backend; the interpreter is exercised once below."""
+    monkeypatch.setenv("HYBRID_KERNELS_BACKEND", "eager")
+
+
+def make_trainer(seed=0, lr=0.05, opt="adamw", **overrides):
+    model = mlp(seed)
+    if opt == "adamw":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    config = HybridConfig(**{**FAST, **overrides})
+    return HybridTrainer(model, optimizer, cross_entropy, config=config)
+
+
+@pytest.fixture(scope="module")
+def stream():
+    x, y = digits_tensors()
+    return batches(x, y, 64, 200)
+
+
+def run_until_phase(trainer, stream, phase, start=0):
+    for i in range(start, len(stream)):
+        if trainer.controller.phase is phase:
+            return i
+        trainer.step(stream[i])
+    raise AssertionError(f"never reached {phase}")
+
+
+def test_predicted_step_changes_weights_by_exactly_the_delta_in_place(stream):
+    trainer = make_trainer(confidence_threshold=0.0)
+    i = run_until_phase(trainer, stream, Phase.PREDICT)
+    ptrs = [p.data_ptr() for p in trainer.params]
+    before = [p.detach().clone() for p in trainer.params]
+    _, direction = trainer.predictor.current_direction(refresh=False)
+    scales = trainer.predictor.scales.clone()
+    assert float(scales.abs().sum()) > 0, "no scale fitted: the predicted delta would be zero"
+    result = trainer.step(stream[i])
+    assert result.phase == "PREDICT" and not result.backward_done and not result.verified
+    for p, b, d, s in zip(trainer.params, before, direction, scales):
+        assert torch.equal(p.detach(), b.clone().add_(d, alpha=float(s)))  # p += s·d, one rounding (fma)
+        torch.testing.assert_close(p.detach(), b + s * d, rtol=0, atol=1e-6)
+    assert any(not torch.equal(p, b) for p, b in zip(trainer.params, before))
+    assert [p.data_ptr() for p in trainer.params] == ptrs
+
+
+def test_no_parameter_is_reallocated_over_a_run(stream):
+    trainer = make_trainer(confidence_threshold=0.0)
+    ptrs = [p.data_ptr() for p in trainer.model.parameters()]
+    phases = set()
+    for batch in stream[:80]:
+        phases.add(trainer.step(batch).phase)
+        assert [p.data_ptr() for p in trainer.model.parameters()] == ptrs
+    assert {"WARMUP", "FULL", "PREDICT", "CORRECT"} <= phases
+
+
+def test_rejected_verification_rolls_back_bit_exactly(stream):
+    trainer = make_trainer(confidence_threshold=0.0, loss_tolerance=0.0, noise_z=0.0)
+    i = run_until_phase(trainer, stream, Phase.PREDICT)
+    at_phase_start = [p.detach().clone() for p in trainer.params]
+    trainer.predictor.scales.fill_(50.0)  # a huge predicted step: the loss must go up
+    results = [trainer.step(stream[i + k]) for k in range(4)]
+    assert results[-1].verified and results[-1].accepted is False and results[-1].rolled_back
+    for p, saved in zip(trainer.params, at_phase_start):
+        assert torch.equal(p.detach(), saved)
+    assert trainer.controller.phase is Phase.CORRECT
+    assert trainer.stats.predicted_steps_rolled_back == 4
+
+
+def test_correct_phase_runs_backward_and_the_optimizer(stream):
+    trainer = make_trainer(confidence_threshold=0.0)
+    i = run_until_phase(trainer, stream, Phase.CORRECT)
+    backward_before, opt_before = trainer.stats.backward_passes, trainer.stats.optimizer_steps
+    before = [p.detach().clone() for p in trainer.params]
+    result = trainer.step(stream[i])
+    assert result.phase == "CORRECT" and result.backward_done and result.loss is not None
+    assert trainer.stats.backward_passes == backward_before + 1
+    assert trainer.stats.optimizer_steps == opt_before + 1
+    assert any(not torch.equal(p, b) for p, b in zip(trainer.params, before))
+    assert result.grad_norm is not None and result.grad_norm > 0
+
+
+def test_nan_loss_never_reaches_the_weights_and_the_run_continues(stream):
+    trainer = make_trainer()
+    calls = {"n": 0}
+
+    def sometimes_nan(model, batch):
+        calls["n"] += 1
+        loss = cross_entropy(model, batch)
+        return loss * float("nan") if calls["n"] == 5 else loss
+
+    trainer.loss_fn = sometimes_nan
+    for batch in stream[:4]:
+        trainer.step(batch)
+    before = [p.detach().clone() for p in trainer.params]
+    adam_before = {k: v.clone() for k, v in trainer.optimizer.state[trainer.params[0]].items()}
+    result = trainer.step(stream[4])
+    assert result.skipped and result.divergence != "OK"
+    for p, b in zip(trainer.params, before):
+        assert torch.equal(p.detach(), b)
+    for k, v in trainer.optimizer.state[trainer.params[0]].items():
+        assert torch.equal(v, adam_before[k])
+    later = [trainer.step(b) for b in stream[5:15]]
+    assert all(r.loss is not None and math.isfinite(r.loss) for r in later if r.backward_done)
+    assert all(torch.isfinite(p).all() for p in trainer.params)
+
+
+def test_nan_gradient_never_reaches_the_weights(stream):
+    trainer = make_trainer()
+    for batch in stream[:4]:
+        trainer.step(batch)
+    handle = trainer.params[0].register_hook(lambda g: g * float("nan"))
+    before = [p.detach().clone() for p in trainer.params]
+    result = trainer.step(stream[4])
+    handle.remove()
+    assert result.skipped
+    for p, b in zip(trainer.params, before):
+        assert torch.equal(p.detach(), b)
+    result = trainer.step(stream[5])
+    assert not result.skipped and all(torch.isfinite(p).all() for p in trainer.params)
+
+
+def test_resume_reproduces_the_uninterrupted_run_bit_exactly(stream, tmp_path):
+    steps, cut = 70, 37
+    reference = make_trainer(confidence_threshold=0.0)
+    ref_results = [reference.step(b) for b in stream[:steps]]
+    assert any(r.phase == "PREDICT" for r in ref_results[cut:]), "the resumed part must include predicted steps"
+
+    first = make_trainer(confidence_threshold=0.0)
+    for b in stream[:cut]:
+        first.step(b)
+    first.save(tmp_path / "ckpt.pt")
+    resumed = make_trainer(seed=123, confidence_threshold=0.0)  # different init: everything must come from the file
+    resumed.load(tmp_path / "ckpt.pt")
+    resumed_results = [resumed.step(b) for b in stream[cut:steps]]
+
+    for p, q in zip(reference.params, resumed.params):
+        assert torch.equal(p, q)
+    for a, b in zip(ref_results[cut:], resumed_results):
+        assert (a.phase, a.loss, a.accepted, a.rolled_back) == (b.phase, b.loss, b.accepted, b.rolled_back)
+    assert reference.statistics()["predicted_steps"] == resumed.statistics()["predicted_steps"]
+
+
+def test_checkpoint_file_is_written_atomically(tmp_path, stream):
+    trainer = make_trainer()
+    trainer.step(stream[0])
+    trainer.save(tmp_path / "ckpt.pt")
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]  # no temporary file left behind
+
+
+def test_sgd_optimizer_scheduler_and_clipping(stream):
+    model = mlp(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5)
+    trainer = HybridTrainer(model, optimizer, cross_entropy, HybridConfig(**{**FAST, "confidence_threshold": 0.0,
+                                                                             "grad_clip": 0.5}), scheduler)
+    results = [trainer.step(b) for b in stream[:60]]
+    real = sum(r.backward_done for r in results)
+    assert scheduler.last_epoch == real  # stepped only with the optimizer
+    assert any(r.phase == "PREDICT" for r in results)
+    # clip_grad_norm_ reports the norm before clipping; the applied update must respect the clip.
+    assert all(r.grad_norm is not None for r in results if r.backward_done)
+
+
+def test_gradient_accumulation_takes_micro_batches(stream):
+    trainer = make_trainer(grad_accumulation=2)
+    result = trainer.step([stream[0], stream[1]])
+    assert result.backward_done and trainer.stats.backward_passes == 2
+    with pytest.raises(ValueError, match="grad_accumulation=2"):
+        trainer.step(stream[2])
+
+
+def test_bfloat16_autocast_on_cpu(stream):
+    trainer = make_trainer(autocast_dtype="bfloat16")
+    results = [trainer.step(b) for b in stream[:12]]
+    assert all(math.isfinite(r.loss) for r in results if r.loss is not None)
+
+
+def test_metrics_jsonl_and_summary(stream, tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    trainer = make_trainer(confidence_threshold=0.0, metrics_path=str(path))
+    for b in stream[:40]:
+        trainer.step(b)
+    trainer.metrics.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(lines) == 40 and {"step", "phase", "loss", "backward_done"} <= set(lines[0])
+    text = trainer.summary()
+    assert "backward passes" in text and "predicted steps" in text
+    stats = trainer.statistics()
+    assert stats["steps"] == 40
+    assert stats["backward_passes"] + stats["backward_passes_saved"] >= 40 - stats["skipped_steps"]
+
+
+def test_triton_kernels_serve_the_trainer_under_the_interpreter(stream, monkeypatch):
+    monkeypatch.delenv("HYBRID_KERNELS_BACKEND")
+    hk.reset_backend_counts()
+    trainer = make_trainer(confidence_threshold=0.0)
+    for b in stream[:30]:
+        trainer.step(b)
+    used = {op for (op, backend) in hk.backend_counts() if backend == "triton"}
+    assert {"apply_delta_", "gru_cell", "encode_state"} <= used
+    assert trainer.stats.predicted_steps > 0
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("verify_every", 0, "verify_every=0: must be an int >= 1"),
+    ("ema_beta", 1.0, r"ema_beta=1.0: must be a float in \(0, 1\)"),
+    ("direction", "momentum", "direction='momentum'"),
+    ("predict_lengths", (), "predict_lengths"),
+    ("autocast_dtype", "int8", "autocast_dtype"),
+    ("confidence_threshold", float("nan"), "confidence_threshold"),
+])
+def test_config_validation_names_the_field(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        HybridConfig(**{field: value})
+
+
+def test_config_json_round_trip_and_presets():
+    for config in (HybridConfig(), HybridConfig.conservative(), HybridConfig.aggressive(seed=3)):
+        assert HybridConfig.from_json(config.to_json()) == config
+    assert HybridConfig.aggressive().use_bandit
+    with pytest.raises(ValueError, match="no field"):
+        HybridConfig.from_dict({"verify_evry": 3})
+
+
+def test_bad_constructor_arguments():
+    model = mlp(0)
+    with pytest.raises(TypeError, match="optimizer"):
+        HybridTrainer(model, "adam", cross_entropy)
+    with pytest.raises(ValueError, match="none of the model's trainable parameters"):
+        HybridTrainer(model, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1), cross_entropy)
+
+
+def test_bandit_over_predict_lengths_runs(stream):
+    trainer = make_trainer(confidence_threshold=0.0, use_bandit=True, predict_lengths=(2, 4))
+    for b in stream[:80]:
+        trainer.step(b)
+    assert trainer.stats.predict_phases > 0
+
+
+@pytest.mark.slow
+def test_random_labels_prediction_turns_off_and_loss_matches_plain_loop():
+    """On data where nothing generalises, predictions must stop and the run must end within 2%
+    of the plain loop's training loss (same init, same batches)."""
+    x, y = digits_tensors(random_labels=True)
+    stream = batches(x, y, 64, 400, seed=1)
+    plain = mlp(1)
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=3e-3)
+    plain_losses = []
+    for b in stream:
+        optimizer.zero_grad()
+        loss = cross_entropy(plain, b)
+        loss.backward()
+        optimizer.step()
+        plain_losses.append(float(loss))
+
+    model = mlp(1)
+    trainer = HybridTrainer(model, torch.optim.AdamW(model.parameters(), lr=3e-3), cross_entropy,
+                            HybridConfig(**{**FAST, "max_consecutive_rejections": 3}))
+    results = [trainer.step(b) for b in stream]
+    stats = trainer.statistics()
+    last_predict = max((r.step for r in results if r.phase == "PREDICT"), default=-1)
+    assert not stats["prediction_enabled"] or last_predict < len(stream) * 0.75, stats
+    eval_x, eval_y = x[:1024], y[:1024]
+    with torch.no_grad():
+        plain_final = float(torch.nn.functional.cross_entropy(plain(eval_x), eval_y))
+        hybrid_final = float(torch.nn.functional.cross_entropy(model(eval_x), eval_y))
+    assert abs(hybrid_final - plain_final) / plain_final < 0.02, (hybrid_final, plain_final, stats)
