@@ -14,7 +14,7 @@ Shapes and dtypes:
   accumulator are fp32; fp16/bf16 tensors feed ``tl.dot`` directly (fp32 accumulation), fp32
   tensors use IEEE fp32 dots (not TF32) so fp32 keeps fp32 accuracy on a GPU. On the Triton
   interpreter bf16 tiles are upcast to fp32 right after each load (its bf16 arithmetic is wrong).
-* The output has the shape and dtype of ``q`` (contiguous).
+* The output has the shape and dtype of ``q`` (contiguous on the Triton path).
 
 Causal mask alignment: **top-left**, the convention of
 ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)``: query ``i`` sees keys
@@ -35,10 +35,18 @@ Triton path:
 
 * forward: one program per (query block, batch, query head). Key blocks that are fully visible
   and fully in range run without any masking; only the diagonal (causal) and ragged last blocks
-  pay for the mask. Saves ``lse2 = log2(sum_j exp2(s_ij))`` of the base-2 scaled scores
-  ``s = q.k * softmax_scale * log2(e)`` (fp32, ``[B, Hq, Nq]``) for the backward.
+  pay for the mask. Probabilities are ``exp2((s - m) * c)`` with raw scores ``s = q.k``, their
+  running row max ``m`` and ``c = softmax_scale * log2(e)``: subtracting before scaling keeps
+  the exponent of every large probability small and exact. Saves per row, for the backward,
+  fp32 ``stats [2, B, Hq, Nq]``: ``m`` and ``1 / l`` with ``l = sum_j exp2((s_ij - m) * c)``.
+  (Measured on fp32 with large scores, scale 0.5, D 32: the usual single log-sum-exp of the
+  scaled scores gave dV 3.5x PyTorch's error, since its rounding, ~eps * |lse|, scales every P
+  of the row alike; m and 1/l with scaling after the subtraction give 1.5-2.3x over 5 seeds.
+  The rest comes from recomputing q.k in the backward, inherent to the method; at the default
+  scale the ratio is <= 1.6x.) For fp16/bf16 with a backward it also saves the output's
+  rounding residual (see the delta kernel).
 * backward: ``delta = rowsum(dO * O)`` (preprocessing kernel), then two kernels that each
-  recompute ``P = exp2(s - lse2)`` tile by tile: one program per (key block, batch, kv head)
+  recompute ``P = exp2((s - m) * c) / l`` tile by tile: one program per (key block, batch, kv head)
   accumulates ``dK`` and ``dV`` over *all query heads of its group* and all query blocks (so
   GQA needs no atomics and the result is deterministic), and one program per
   (query block, batch, query head) accumulates ``dQ``.
@@ -95,7 +103,7 @@ def _fwd_key_blocks(acc, row_max, row_sum, q, k_base, v_base, stride_kn, stride_
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2  # [BLOCK_M, BLOCK_N]
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # raw q.k, [BLOCK_M, BLOCK_N]
         if MASKED:
             visible = col_in_range[None, :]
             if CAUSAL:
@@ -104,8 +112,10 @@ def _fwd_key_blocks(acc, row_max, row_sum, q, k_base, v_base, stride_kn, stride_
         # Key 0 is visible to every row and the first block processed holds it, so new_max is
         # finite from the first block on: exp2(-inf - finite) = 0, never NaN.
         new_max = tl.maximum(row_max, tl.max(scores, axis=1))
-        rescale = tl.exp2(row_max - new_max)
-        probs = tl.exp2(scores - new_max[:, None])
+        # Subtract the max before scaling: the large probabilities have scores near the max, so
+        # their exponent (s - m) * c is small and exact to a few ulps, whatever the score size.
+        rescale = tl.exp2((row_max - new_max) * qk_scale_log2)
+        probs = tl.exp2((scores - new_max[:, None]) * qk_scale_log2)
         row_sum = row_sum * rescale + tl.sum(probs, axis=1)
         acc = acc * rescale[:, None]
         acc = tl.dot(probs.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
@@ -114,14 +124,16 @@ def _fwd_key_blocks(acc, row_max, row_sum, q, k_base, v_base, stride_kn, stride_
 
 
 @triton.jit
-def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
+def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, out_residual_ptr, row_max_ptr, inv_sum_ptr,
                       stride_qb, stride_qh, stride_qn,
                       stride_kb, stride_kh, stride_kn,
                       stride_vb, stride_vh, stride_vn,
                       stride_ob, stride_oh, stride_on,
                       n_q_heads, kv_group_size, seq_q, seq_k, qk_scale_log2, n_query_blocks,
                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      CAUSAL: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                      CAUSAL: tl.constexpr, UPCAST: tl.constexpr, STORE_RESIDUAL: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr):
+    """out_residual (same layout as out) receives fp32 out minus its rounding to out's dtype."""
     # 1-D grid (query blocks fastest): no 65535 limit on batch * heads, and the programs of one
     # head, which share its K/V, run next to each other.
     pid = tl.program_id(0)
@@ -164,21 +176,33 @@ def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
         acc, row_max, row_sum, q, k_base, v_base, stride_kn, stride_vn, rows, unmasked_end, key_end, seq_k,
         qk_scale_log2, HEAD_DIM, BLOCK_N, CAUSAL, True, UPCAST, DOT_PRECISION)
 
-    acc = acc / row_sum[:, None]
-    tl.store(out_base + rows[:, None] * stride_on + dims[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=row_in_range[:, None])
-    lse_base = lse_ptr + batch_head.to(tl.int64) * seq_q
-    tl.store(lse_base + rows, row_max + tl.log2(row_sum), mask=row_in_range)
+    inv_sum = 1.0 / row_sum
+    acc = acc * inv_sum[:, None]
+    out_offsets = rows[:, None] * stride_on + dims[None, :]
+    out_rounded = acc.to(out_ptr.dtype.element_ty)
+    tl.store(out_base + out_offsets, out_rounded, mask=row_in_range[:, None])
+    if STORE_RESIDUAL:
+        residual = acc - out_rounded.to(tl.float32)
+        tl.store(out_residual_ptr + batch * stride_ob + q_head * stride_oh + out_offsets,
+                 residual.to(out_residual_ptr.dtype.element_ty), mask=row_in_range[:, None])
+    stats_offsets = batch_head.to(tl.int64) * seq_q + rows
+    tl.store(row_max_ptr + stats_offsets, row_max, mask=row_in_range)
+    tl.store(inv_sum_ptr + stats_offsets, inv_sum, mask=row_in_range)
 
 
 @triton.jit
-def _bwd_delta_kernel(out_ptr, dout_ptr, delta_ptr,
+def _bwd_delta_kernel(out_ptr, out_residual_ptr, dout_ptr, delta_ptr,
                       stride_ob, stride_oh, stride_on,
+                      stride_rb, stride_rh, stride_rn,
                       stride_dob, stride_doh, stride_don,
                       n_q_heads, seq_q, n_query_blocks,
-                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
     """delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d] in fp32 (the softmax-backward term
-    rowsum(P * dP), which equals rowsum(dO * O) because O = P V and dP = dO V^T)."""
+    rowsum(P * dP), which equals rowsum(dO * O) because O = P V and dP = dO V^T).
+
+    O is the forward's fp32 result, rebuilt as stored output + stored residual: delta from the
+    fp16-rounded output alone gave dQ up to 2.2x the error of PyTorch's attention (measured),
+    against 1.0x with the residual."""
     pid = tl.program_id(0)
     query_block = pid % n_query_blocks
     batch_head = pid // n_query_blocks
@@ -189,16 +213,38 @@ def _bwd_delta_kernel(out_ptr, dout_ptr, delta_ptr,
     row_in_range = rows < seq_q
     out = tl.load(out_ptr + batch * stride_ob + q_head * stride_oh + rows[:, None] * stride_on + dims[None, :],
                   mask=row_in_range[:, None], other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        out += tl.load(out_residual_ptr + batch * stride_rb + q_head * stride_rh + rows[:, None] * stride_rn
+                       + dims[None, :], mask=row_in_range[:, None], other=0.0).to(tl.float32)
     dout = tl.load(dout_ptr + batch * stride_dob + q_head * stride_doh + rows[:, None] * stride_don + dims[None, :],
                    mask=row_in_range[:, None], other=0.0).to(tl.float32)
     tl.store(delta_ptr + batch_head.to(tl.int64) * seq_q + rows, tl.sum(out * dout, axis=1), mask=row_in_range)
 
 
 @triton.jit
-def _bwd_dkdv_query_blocks(dk, dv, k, v, q_base, dout_base, lse_base, delta_base, stride_qn, stride_don,
+def _dot_two_term(a, b, acc, TWO_TERM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc + a @ b for an fp32 ``a`` and a ``b`` in the input dtype.
+
+    TWO_TERM: ``a`` is written as hi + lo, both in b's dtype (fp16/bf16), and multiplied in two
+    tensor-core dots. Rounding dS to fp16 once (FlashAttention's way) costs dQ and dK up to ~2.6x
+    the error of PyTorch's fp32-accumulating attention (measured); hi + lo carries ~22 mantissa
+    bits (fp16) for two cheap dots instead of one fp32 dot, which has no tensor-core path."""
+    if TWO_TERM:
+        hi = a.to(b.dtype)
+        lo = (a - hi.to(tl.float32)).to(b.dtype)
+        acc = tl.dot(hi, b, acc, input_precision=DOT_PRECISION)
+        return tl.dot(lo, b, acc, input_precision=DOT_PRECISION)
+    else:
+        return tl.dot(a.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _bwd_dkdv_query_blocks(dk, dv, k, v, q_base, dout_base, max_base, inv_sum_base, delta_base,
+                           stride_qn, stride_don,
                            cols, query_start, query_end, seq_q, qk_scale_log2,
                            HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
-                           MASKED: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                           MASKED: tl.constexpr, UPCAST: tl.constexpr, TWO_TERM: tl.constexpr,
+                           DOT_PRECISION: tl.constexpr):
     """Add the contributions of query blocks [query_start, query_end) of one query head to the dK
     and dV of one key block. Works on transposed tiles ([keys, queries]) so the products land in
     dK/dV's row layout without transposing the accumulators."""
@@ -210,20 +256,22 @@ def _bwd_dkdv_query_blocks(dk, dv, k, v, q_base, dout_base, lse_base, delta_base
             q = tl.load(q_base + rows[:, None] * stride_qn + dims[None, :], mask=row_in_range[:, None], other=0.0)
             dout = tl.load(dout_base + rows[:, None] * stride_don + dims[None, :], mask=row_in_range[:, None],
                            other=0.0)
-            lse = tl.load(lse_base + rows, mask=row_in_range, other=0.0)
+            row_max = tl.load(max_base + rows, mask=row_in_range, other=0.0)
+            inv_sum = tl.load(inv_sum_base + rows, mask=row_in_range, other=0.0)
             delta = tl.load(delta_base + rows, mask=row_in_range, other=0.0)
         else:
             q = tl.load(q_base + rows[:, None] * stride_qn + dims[None, :])
             dout = tl.load(dout_base + rows[:, None] * stride_don + dims[None, :])
-            lse = tl.load(lse_base + rows)
+            row_max = tl.load(max_base + rows)
+            inv_sum = tl.load(inv_sum_base + rows)
             delta = tl.load(delta_base + rows)
         if UPCAST:
             q = q.to(tl.float32)
             dout = dout.to(tl.float32)
-        scores_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale_log2  # [BLOCK_N, BLOCK_M]
-        probs_t = tl.exp2(scores_t - lse[None, :])
+        scores_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # raw k.q, [BLOCK_N, BLOCK_M]
+        probs_t = tl.exp2((scores_t - row_max[None, :]) * qk_scale_log2) * inv_sum[None, :]
         if MASKED:
-            # where(), not a multiply: a masked score may exceed lse and overflow exp2 to inf.
+            # where(), not a multiply: a masked score may exceed the row max and overflow exp2.
             visible = row_in_range[None, :]
             if CAUSAL:
                 visible = visible & (cols[:, None] <= rows[None, :])
@@ -231,12 +279,12 @@ def _bwd_dkdv_query_blocks(dk, dv, k, v, q_base, dout_base, lse_base, delta_base
         dv = tl.dot(probs_t.to(dout.dtype), dout, dv, input_precision=DOT_PRECISION)
         dprobs_t = tl.dot(v, tl.trans(dout), input_precision=DOT_PRECISION)
         dscores_t = probs_t * (dprobs_t - delta[None, :])
-        dk = tl.dot(dscores_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+        dk = _dot_two_term(dscores_t, q, dk, TWO_TERM, DOT_PRECISION)
     return dk, dv
 
 
 @triton.jit
-def _flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+def _flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, row_max_ptr, inv_sum_ptr, delta_ptr, dk_ptr, dv_ptr,
                            stride_qb, stride_qh, stride_qn,
                            stride_kb, stride_kh, stride_kn,
                            stride_vb, stride_vh, stride_vn,
@@ -246,7 +294,8 @@ def _flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dk
                            n_q_heads, n_kv_heads, kv_group_size, seq_q, seq_k, qk_scale_log2, softmax_scale,
                            n_key_blocks,
                            HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           CAUSAL: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                           CAUSAL: tl.constexpr, UPCAST: tl.constexpr, TWO_TERM: tl.constexpr,
+                           DOT_PRECISION: tl.constexpr):
     pid = tl.program_id(0)
     key_block = pid % n_key_blocks
     batch_kv_head = pid // n_key_blocks
@@ -257,7 +306,7 @@ def _flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dk
     cols = key_start + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
     col_in_range = cols < seq_k
-    # Keys past seq_k load as 0; their dK/dV rows are garbage-free but never stored.
+    # Keys past seq_k load as 0; their dK/dV rows are computed but never stored.
     k = tl.load(k_ptr + batch * stride_kb + kv_head * stride_kh + cols[:, None] * stride_kn + dims[None, :],
                 mask=col_in_range[:, None], other=0.0)
     v = tl.load(v_ptr + batch * stride_vb + kv_head * stride_vh + cols[:, None] * stride_vn + dims[None, :],
@@ -288,19 +337,21 @@ def _flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dk
         batch_q_head = batch * n_q_heads + q_head
         q_base = q_ptr + batch * stride_qb + q_head * stride_qh
         dout_base = dout_ptr + batch * stride_dob + q_head * stride_doh
-        lse_base = lse_ptr + batch_q_head * seq_q
+        max_base = row_max_ptr + batch_q_head * seq_q
+        inv_sum_base = inv_sum_ptr + batch_q_head * seq_q
         delta_base = delta_ptr + batch_q_head * seq_q
         dk, dv = _bwd_dkdv_query_blocks(
-            dk, dv, k, v, q_base, dout_base, lse_base, delta_base, stride_qn, stride_don, cols,
-            first, diagonal_end, seq_q, qk_scale_log2, HEAD_DIM, BLOCK_M, CAUSAL, True, UPCAST, DOT_PRECISION)
+            dk, dv, k, v, q_base, dout_base, max_base, inv_sum_base, delta_base, stride_qn, stride_don, cols,
+            first, diagonal_end, seq_q, qk_scale_log2, HEAD_DIM, BLOCK_M, CAUSAL, True, UPCAST,
+            TWO_TERM, DOT_PRECISION)
         dk, dv = _bwd_dkdv_query_blocks(
-            dk, dv, k, v, q_base, dout_base, lse_base, delta_base, stride_qn, stride_don, cols,
+            dk, dv, k, v, q_base, dout_base, max_base, inv_sum_base, delta_base, stride_qn, stride_don, cols,
             diagonal_end, tail_start, seq_q, qk_scale_log2, HEAD_DIM, BLOCK_M, CAUSAL, False, UPCAST,
-            DOT_PRECISION)
+            TWO_TERM, DOT_PRECISION)
         dk, dv = _bwd_dkdv_query_blocks(
-            dk, dv, k, v, q_base, dout_base, lse_base, delta_base, stride_qn, stride_don, cols,
+            dk, dv, k, v, q_base, dout_base, max_base, inv_sum_base, delta_base, stride_qn, stride_don, cols,
             tail_start, query_blocks_end, seq_q, qk_scale_log2, HEAD_DIM, BLOCK_M, CAUSAL, True, UPCAST,
-            DOT_PRECISION)
+            TWO_TERM, DOT_PRECISION)
 
     # dS was taken w.r.t. the scaled scores; the chain rule through q.k * softmax_scale adds it here.
     dk = dk * softmax_scale
@@ -311,10 +362,11 @@ def _flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dk
 
 
 @triton.jit
-def _bwd_dq_key_blocks(dq, q, dout, lse, delta, k_base, v_base, stride_kn, stride_vn,
+def _bwd_dq_key_blocks(dq, q, dout, row_max, inv_sum, delta, k_base, v_base, stride_kn, stride_vn,
                        rows, key_start, key_end, seq_k, qk_scale_log2,
                        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                       MASKED: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                       MASKED: tl.constexpr, UPCAST: tl.constexpr, TWO_TERM: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr):
     """Add key blocks [key_start, key_end) to the dQ of one query block."""
     dims = tl.arange(0, HEAD_DIM)
     for key_block_start in range(key_start, key_end, BLOCK_N):
@@ -329,8 +381,8 @@ def _bwd_dq_key_blocks(dq, q, dout, lse, delta, k_base, v_base, stride_kn, strid
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
-        probs = tl.exp2(scores - lse[:, None])
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        probs = tl.exp2((scores - row_max[:, None]) * qk_scale_log2) * inv_sum[:, None]
         if MASKED:
             visible = col_in_range[None, :]
             if CAUSAL:
@@ -338,12 +390,12 @@ def _bwd_dq_key_blocks(dq, q, dout, lse, delta, k_base, v_base, stride_kn, strid
             probs = tl.where(visible, probs, 0.0)
         dprobs = tl.dot(dout, tl.trans(v), input_precision=DOT_PRECISION)
         dscores = probs * (dprobs - delta[:, None])
-        dq = tl.dot(dscores.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+        dq = _dot_two_term(dscores, k, dq, TWO_TERM, DOT_PRECISION)
     return dq
 
 
 @triton.jit
-def _flash_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr,
+def _flash_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, row_max_ptr, inv_sum_ptr, delta_ptr, dq_ptr,
                          stride_qb, stride_qh, stride_qn,
                          stride_kb, stride_kh, stride_kn,
                          stride_vb, stride_vh, stride_vn,
@@ -351,7 +403,8 @@ def _flash_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dq_p
                          stride_dqb, stride_dqh, stride_dqn,
                          n_q_heads, kv_group_size, seq_q, seq_k, qk_scale_log2, softmax_scale, n_query_blocks,
                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         CAUSAL: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                         CAUSAL: tl.constexpr, UPCAST: tl.constexpr, TWO_TERM: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr):
     pid = tl.program_id(0)
     query_block = pid % n_query_blocks
     batch_head = pid // n_query_blocks
@@ -370,8 +423,10 @@ def _flash_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dq_p
     if UPCAST:
         q = q.to(tl.float32)
         dout = dout.to(tl.float32)
-    lse = tl.load(lse_ptr + batch_head.to(tl.int64) * seq_q + rows, mask=row_in_range, other=0.0)
-    delta = tl.load(delta_ptr + batch_head.to(tl.int64) * seq_q + rows, mask=row_in_range, other=0.0)
+    stats_offsets = batch_head.to(tl.int64) * seq_q + rows
+    row_max = tl.load(row_max_ptr + stats_offsets, mask=row_in_range, other=0.0)
+    inv_sum = tl.load(inv_sum_ptr + stats_offsets, mask=row_in_range, other=0.0)
+    delta = tl.load(delta_ptr + stats_offsets, mask=row_in_range, other=0.0)
     k_base = k_ptr + batch * stride_kb + kv_head * stride_kh
     v_base = v_ptr + batch * stride_vb + kv_head * stride_vh
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -383,10 +438,12 @@ def _flash_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, dq_p
         unmasked_end = tl.minimum(unmasked_end, ((query_start + 1) // BLOCK_N) * BLOCK_N)
     else:
         key_end = seq_k
-    dq = _bwd_dq_key_blocks(dq, q, dout, lse, delta, k_base, v_base, stride_kn, stride_vn, rows, 0, unmasked_end,
-                            seq_k, qk_scale_log2, HEAD_DIM, BLOCK_N, CAUSAL, False, UPCAST, DOT_PRECISION)
-    dq = _bwd_dq_key_blocks(dq, q, dout, lse, delta, k_base, v_base, stride_kn, stride_vn, rows, unmasked_end,
-                            key_end, seq_k, qk_scale_log2, HEAD_DIM, BLOCK_N, CAUSAL, True, UPCAST, DOT_PRECISION)
+    dq = _bwd_dq_key_blocks(dq, q, dout, row_max, inv_sum, delta, k_base, v_base, stride_kn, stride_vn, rows,
+                            0, unmasked_end, seq_k, qk_scale_log2, HEAD_DIM, BLOCK_N, CAUSAL, False, UPCAST, TWO_TERM,
+                            DOT_PRECISION)
+    dq = _bwd_dq_key_blocks(dq, q, dout, row_max, inv_sum, delta, k_base, v_base, stride_kn, stride_vn, rows,
+                            unmasked_end, key_end, seq_k, qk_scale_log2, HEAD_DIM, BLOCK_N, CAUSAL, True, UPCAST, TWO_TERM,
+                            DOT_PRECISION)
     dq = dq * softmax_scale
     tl.store(dq_ptr + batch * stride_dqb + q_head * stride_dqh + rows[:, None] * stride_dqn + dims[None, :],
              dq.to(dq_ptr.dtype.element_ty), mask=row_in_range[:, None])
@@ -425,31 +482,43 @@ def _head_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _forward_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                    softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns ``(out [B, Hq, Nq, D] in q's dtype, lse2 [B, Hq, Nq] float32)``."""
+def _needs_residual(dtype: torch.dtype, for_backward: bool) -> bool:
+    return for_backward and dtype != torch.float32
+
+
+def _forward_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
+                    for_backward: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns ``(out, stats, out_residual)``: out ``[B, Hq, Nq, D]`` in q's dtype; stats
+    ``[2, B, Hq, Nq]`` float32 (row max of the raw scores q.k, 1 / row sum); out_residual =
+    fp32 result minus out, in q's dtype, shaped like out when q is fp16/bf16 and ``for_backward``,
+    else an empty tensor (an fp32 out loses nothing; inference runs no backward)."""
     q, k, v = (_head_dim_contiguous(t) for t in (q, k, v))
     batch, n_q_heads, seq_q, head_dim = q.shape
     n_kv_heads, seq_k = k.shape[1], k.shape[2]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((batch, n_q_heads, seq_q), dtype=torch.float32, device=q.device)
+    store_residual = _needs_residual(q.dtype, for_backward)
+    # Allocated like `out`, so the kernel addresses both with out's strides.
+    out_residual = torch.empty(q.shape if store_residual else (0,), dtype=q.dtype, device=q.device)
+    stats = torch.empty((2, batch, n_q_heads, seq_q), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
-        return out, lse
+        return out, stats, out_residual
     cfg = _kernel_config(head_dim, q.dtype)
     n_query_blocks = triton.cdiv(seq_q, cfg["BLOCK_M"])
     grid = (n_query_blocks * batch * n_q_heads,)
     _flash_fwd_kernel[grid](
-        q, k, v, out, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
+        q, k, v, out, out_residual if store_residual else out, stats[0], stats[1],
+        *_strides(q), *_strides(k), *_strides(v), *_strides(out),
         n_q_heads, n_q_heads // n_kv_heads, seq_q, seq_k, softmax_scale * LOG2E, n_query_blocks,
-        HEAD_DIM=head_dim, CAUSAL=causal, UPCAST=_upcast_loads(q.dtype), DOT_PRECISION=_dot_precision(q.dtype),
-        **cfg)
-    return out, lse
+        HEAD_DIM=head_dim, CAUSAL=causal, UPCAST=_upcast_loads(q.dtype), STORE_RESIDUAL=store_residual,
+        DOT_PRECISION=_dot_precision(q.dtype), **cfg)
+    return out, stats, out_residual
 
 
 def _backward_triton(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                     lse: torch.Tensor, causal: bool,
+                     out_residual: torch.Tensor, stats: torch.Tensor, causal: bool,
                      softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients ``(dq, dk, dv)`` (shapes and dtypes of q, k, v) from the saved forward state."""
+    """Gradients ``(dq, dk, dv)`` (shapes and dtypes of q, k, v) from the saved forward state
+    (``out_residual`` may be empty: delta then uses the rounded output alone)."""
     dout, q, k, v, out = (_head_dim_contiguous(t) for t in (dout, q, k, v, out))
     batch, n_q_heads, seq_q, head_dim = q.shape
     n_kv_heads, seq_k = k.shape[1], k.shape[2]
@@ -462,25 +531,28 @@ def _backward_triton(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         return dq, dk.zero_(), dv.zero_()
     cfg = _kernel_config(head_dim, q.dtype)
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    common = dict(HEAD_DIM=head_dim, CAUSAL=causal, UPCAST=_upcast_loads(q.dtype),
+    upcast = _upcast_loads(q.dtype)
+    common = dict(HEAD_DIM=head_dim, CAUSAL=causal, UPCAST=upcast, TWO_TERM=q.dtype != torch.float32 and not upcast,
                   DOT_PRECISION=_dot_precision(q.dtype), **cfg)
     qk_scale_log2 = softmax_scale * LOG2E
     kv_group_size = n_q_heads // n_kv_heads
 
     n_query_blocks = triton.cdiv(seq_q, block_m)
     delta = torch.empty((batch, n_q_heads, seq_q), dtype=torch.float32, device=q.device)
+    has_residual = out_residual.shape == out.shape
+    residual = _head_dim_contiguous(out_residual) if has_residual else out
     _bwd_delta_kernel[(n_query_blocks * batch * n_q_heads,)](
-        out, dout, delta, *_strides(out), *_strides(dout), n_q_heads, seq_q, n_query_blocks,
-        HEAD_DIM=head_dim, BLOCK_M=block_m, num_warps=cfg["num_warps"])
+        out, residual, dout, delta, *_strides(out), *_strides(residual), *_strides(dout), n_q_heads, seq_q,
+        n_query_blocks, HEAD_DIM=head_dim, BLOCK_M=block_m, HAS_RESIDUAL=has_residual, num_warps=cfg["num_warps"])
 
     n_key_blocks = triton.cdiv(seq_k, block_n)
     _flash_bwd_dkdv_kernel[(n_key_blocks * batch * n_kv_heads,)](
-        q, k, v, dout, lse, delta, dk, dv,
+        q, k, v, dout, stats[0], stats[1], delta, dk, dv,
         *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), *_strides(dv),
         n_q_heads, n_kv_heads, kv_group_size, seq_q, seq_k, qk_scale_log2, softmax_scale, n_key_blocks,
         **common)
     _flash_bwd_dq_kernel[(n_query_blocks * batch * n_q_heads,)](
-        q, k, v, dout, lse, delta, dq,
+        q, k, v, dout, stats[0], stats[1], delta, dq,
         *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
         n_q_heads, kv_group_size, seq_q, seq_k, qk_scale_log2, softmax_scale, n_query_blocks,
         **common)
@@ -501,15 +573,17 @@ def _attention_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale)
 
 
-def _lse2_eager(q: torch.Tensor, k: torch.Tensor, causal: bool, softmax_scale: float) -> torch.Tensor:
-    """The kernels' saved statistic, log2-sum-exp2 of the base-2 scaled scores, in fp32.
-    Materializes the scores: only the compiled-graph fallback uses it."""
+def _softmax_stats_eager(q: torch.Tensor, k: torch.Tensor, causal: bool, softmax_scale: float) -> torch.Tensor:
+    """The kernels' saved statistics ``[2, B, Hq, Nq]`` fp32: row max of the raw scores q.k and
+    1 / sum exp(softmax_scale * (scores - max)). Materializes the scores: only the compiled-graph
+    fallback uses it."""
     k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-    scores = (q.float() @ k.float().transpose(-2, -1)) * softmax_scale
+    scores = q.float() @ k.float().transpose(-2, -1)
     if causal:
         visible = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill(~visible, float("-inf"))
-    return torch.logsumexp(scores, dim=-1) * LOG2E
+    row_max = scores.amax(dim=-1)
+    return torch.stack([row_max, 1.0 / torch.exp((scores - row_max[..., None]) * softmax_scale).sum(dim=-1)])
 
 
 def _backward_eager(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -527,17 +601,17 @@ def _backward_eager(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
 class _FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, softmax_scale: float):
-        out, lse = _forward_triton(q, k, v, causal, softmax_scale)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, stats, out_residual = _forward_triton(q, k, v, causal, softmax_scale, any(ctx.needs_input_grad[:3]))
+        ctx.save_for_backward(q, k, v, out, out_residual, stats)
         ctx.causal = causal
         ctx.softmax_scale = softmax_scale
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, out_residual, stats = ctx.saved_tensors
         record("flash_attention_backward", "triton")
-        dq, dk, dv = _backward_triton(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale)
+        dq, dk, dv = _backward_triton(dout, q, k, v, out, out_residual, stats, ctx.causal, ctx.softmax_scale)
         return dq, dk, dv, None, None
 
 
@@ -546,48 +620,53 @@ class _FlashAttentionFunction(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------
 @torch.library.custom_op("hybrid_kernels::flash_attention_fwd", mutates_args=())
 def _flash_attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                            softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                            softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns ``(out, stats, out_residual)`` as :func:`_forward_triton` does for a backward."""
     backend = choose_backend("flash_attention", q.device)
     record("flash_attention", backend)
     if backend == "triton":
         return _forward_triton(q, k, v, causal, softmax_scale)
     out = _attention_eager(q, k, v, causal, softmax_scale).contiguous()
-    return out, _lse2_eager(q, k, causal, softmax_scale)
+    # A zero residual is exact enough for the eager backward, which recomputes from q, k, v.
+    out_residual = torch.zeros_like(out) if _needs_residual(q.dtype, True) else out.new_empty((0,))
+    return out, _softmax_stats_eager(q, k, causal, softmax_scale), out_residual
 
 
 @_flash_attention_fwd_op.register_fake
 def _(q, k, v, causal, softmax_scale):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+    residual_shape = q.shape if _needs_residual(q.dtype, True) else (0,)
+    stats_shape = (2, *q.shape[:3])
+    return q.new_empty(q.shape), q.new_empty(stats_shape, dtype=torch.float32), q.new_empty(residual_shape)
 
 
 @torch.library.custom_op("hybrid_kernels::flash_attention_bwd", mutates_args=())
 def _flash_attention_bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            out: torch.Tensor, lse: torch.Tensor, causal: bool,
+                            out: torch.Tensor, out_residual: torch.Tensor, stats: torch.Tensor, causal: bool,
                             softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     backend = choose_backend("flash_attention_backward", q.device)
     record("flash_attention_backward", backend)
     if backend == "triton":
-        return _backward_triton(dout, q, k, v, out, lse, causal, softmax_scale)
+        return _backward_triton(dout, q, k, v, out, out_residual, stats, causal, softmax_scale)
     return tuple(g.contiguous() for g in _backward_eager(dout, q, k, v, causal, softmax_scale))
 
 
 @_flash_attention_bwd_op.register_fake
-def _(dout, q, k, v, out, lse, causal, softmax_scale):
+def _(dout, q, k, v, out, out_residual, stats, causal, softmax_scale):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, causal, softmax_scale = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    out, stats, out_residual = output
+    ctx.save_for_backward(q, k, v, out, out_residual, stats)
     ctx.causal = causal
     ctx.softmax_scale = softmax_scale
 
 
-def _fwd_op_backward(ctx, dout, _dlse):
-    # lse is an internal output (flash_attention returns only `out`), so its gradient is ignored.
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = _flash_attention_bwd_op(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale)
+def _fwd_op_backward(ctx, dout, _dstats, _dresidual):
+    # stats and the residual are internal outputs (flash_attention returns only `out`): no gradient.
+    q, k, v, out, out_residual, stats = ctx.saved_tensors
+    dq, dk, dv = _flash_attention_bwd_op(dout, q, k, v, out, out_residual, stats, ctx.causal, ctx.softmax_scale)
     return dq, dk, dv, None, None
 
 
@@ -644,16 +723,18 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         softmax_scale: multiplier of ``q @ k^T`` before the softmax; default ``1 / sqrt(D)``.
 
     Returns:
-        ``[B, Hq, Nq, D]`` contiguous tensor in ``q``'s dtype. Differentiable w.r.t. q, k and v.
+        ``[B, Hq, Nq, D]`` tensor in ``q``'s dtype. Differentiable w.r.t. q, k and v.
     """
     _check_inputs(q, k, v, causal, softmax_scale)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
     if torch.compiler.is_compiling():
-        out, _lse = _flash_attention_fwd_op(q, k, v, causal, scale)
-        return out
+        return _flash_attention_fwd_op(q, k, v, causal, scale)[0]
     # Direct call in eager mode: no dispatcher round trip; the SDPA path keeps torch's own autograd.
     backend = choose_backend("flash_attention", q.device)
     record("flash_attention", backend)
     if backend == "triton":
-        return _FlashAttentionFunction.apply(q, k, v, causal, scale)
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            return _FlashAttentionFunction.apply(q, k, v, causal, scale)
+        # Inference: no autograd node, nothing saved, no output residual written.
+        return _forward_triton(q, k, v, causal, scale, for_backward=False)[0]
     return _attention_eager(q, k, v, causal, scale)

@@ -25,7 +25,8 @@ class HybridConfig:
         max_consecutive_rejections: rejected PREDICT phases in a row after which prediction is
             switched off for the rest of the run (each rejection also doubles the FULL cool-down).
         min_predicted_worth: a PREDICT phase starts only if a predicted step is measured to be
-            worth at least this fraction of a real step (first-order: ``<g, s∘d> / <g, u>``
+            worth at least this fraction of a real step (first-order: ``<g, s∘d> / <g, u>`` on a
+            fresh batch's gradient g, u the last real update
             on real steps, EMA). Below it predicting cannot pay for its verification.
         max_consecutive_declines: phase decisions in a row that declined to predict (worth or
             confidence too low) after which prediction is switched off for the run, so the
@@ -86,7 +87,7 @@ class HybridConfig:
     dynamics_hidden: int = 256
     dynamics_ensemble: int = 3
     dynamics_lr: float = 1e-3
-    dynamics_train_every: int = 4
+    dynamics_train_every: int = 16
     dynamics_batch: int = 16
     dynamics_window: int = 8
 

@@ -32,9 +32,6 @@ class UpdateStats:
     update_norm: float  # ||u||_2 over all parameters
     cosine: float  # cos(u, d) of the whole update against the direction before it was added
     fitted_scale: float  # global <u, d> / <d, d>
-    # First-order worth of one predicted step relative to this real step: <g, s∘d> / <g, u>
-    # (both are the linearised loss change; 1 = as good as a real step, <= 0 = useless).
-    predicted_worth: float = float("nan")
 
 
 class DeltaPredictor:
@@ -86,9 +83,8 @@ class DeltaPredictor:
         self._recording = True
 
     @torch.no_grad()
-    def end_step(self, grads: list[torch.Tensor | None] | None = None) -> UpdateStats:
-        """Call right after ``optimizer.step()``: records the update, refits scales, updates the
-        direction. With the step's gradients, also measures the predicted step's worth."""
+    def end_step(self) -> UpdateStats:
+        """Call right after ``optimizer.step()``: records the update, refits scales, updates the direction."""
         if not self._recording:
             raise RuntimeError("DeltaPredictor.end_step() without begin_step()")
         self._recording = False
@@ -100,9 +96,7 @@ class DeltaPredictor:
         stats = UpdateStats(update_norm=float(update.norm()), cosine=float("nan"), fitted_scale=float("nan"))
         direction = self.current_direction(refresh=False)
         if self.n_updates > 0 and direction is not None:
-            worth = self._predicted_worth(grads, update_views, direction[1]) if grads is not None else float("nan")
             stats = self._fit_scales(update, update_views, direction, stats)
-            stats.predicted_worth = worth
 
         if self.n_updates == 0:
             self._ema_flat.copy_(update)
@@ -116,17 +110,27 @@ class DeltaPredictor:
         self.n_updates += 1
         return stats
 
-    def _predicted_worth(self, grads, update_views, direction_views) -> float:
-        g_pred, g_real = 0.0, 0.0
-        scales = self.scales.tolist()
-        for g, u, d, s in zip(grads, update_views, direction_views, scales):
+    @torch.no_grad()
+    def first_order_gains(self, grads: list[torch.Tensor | None]) -> tuple[float, float] | None:
+        """Linearised loss decrease of the next predicted step and of the last real update, on a
+        gradient the last update never saw: ``(−<g, s∘d>, −<g, u_last>)``.
+
+        Call after ``backward`` and before ``begin_step`` (the buffer still holds the last real
+        update). The gradient of a fresh batch makes the comparison fair: on the batch that
+        produced it, a real update looks better than it is, because it partly fits that batch's noise.
+        """
+        if self.n_updates == 0 or self._recording:
+            return None
+        direction = self.current_direction(refresh=False)
+        gain_predicted, gain_real = 0.0, 0.0
+        for g, u, d, s in zip(grads, self._before, direction[1], self.scales.tolist()):
             if g is None:
                 continue
             g = g.reshape(-1).float()
-            g_real += float(torch.dot(g, u.reshape(-1)))
+            gain_real -= float(torch.dot(g, u.reshape(-1)))
             if s:
-                g_pred += s * float(torch.dot(g, d.reshape(-1)))
-        return g_pred / g_real if g_real < 0 else float("nan")
+                gain_predicted -= s * float(torch.dot(g, d.reshape(-1)))
+        return gain_predicted, gain_real
 
     def _fit_scales(self, update, update_views, direction, stats: UpdateStats) -> UpdateStats:
         direction_flat, direction_views = direction

@@ -46,6 +46,7 @@ from .predictor import DeltaPredictor
 from .verifier import LossTrend, verify
 
 CHECKPOINT_VERSION = 1
+WORTH_BETA = 0.9  # EMA factor of the first-order gains behind the predicted-step worth
 
 
 @dataclass
@@ -139,7 +140,8 @@ class HybridTrainer:
         self.step_count = 0
         self._forecast: dict[str, torch.Tensor] | None = None
         self._last_update_cosine = float("nan")
-        self.predicted_worth: float | None = None  # EMA of UpdateStats.predicted_worth
+        self.predicted_worth: float | None = None  # ratio of the EMA first-order gains below
+        self._worth_gains: tuple[float, float] | None = None
         # State of the PREDICT phase in progress.
         self._predict_base_loss: float | None = None
         self._last_verified_loss: float | None = None
@@ -221,6 +223,7 @@ class HybridTrainer:
 
         record = self.controller.prediction_enabled
         if record:
+            self._measure_worth()
             self.predictor.begin_step()
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
@@ -232,13 +235,10 @@ class HybridTrainer:
             self.scheduler.step()
         update_norm = None
         if record:
-            update = self.predictor.end_step([p.grad for p in self.params])
+            update = self.predictor.end_step()
             update_norm = update.update_norm
             if math.isfinite(update.cosine):
                 self._last_update_cosine = update.cosine
-            if math.isfinite(update.predicted_worth):
-                w = max(-1.0, min(1.0, update.predicted_worth))
-                self.predicted_worth = w if self.predicted_worth is None else 0.9 * self.predicted_worth + 0.1 * w
         self.optimizer.zero_grad(set_to_none=True)
 
         self.monitor.observe(total, grad_norm)
@@ -250,6 +250,18 @@ class HybridTrainer:
             self.good_state.save(self.step_count, self.optimizer)
         return StepResult(step=self.step_count, phase=phase.value, loss=total, backward_done=True,
                           divergence=report.severity.name, grad_norm=grad_norm, lr=lr)
+
+    def _measure_worth(self) -> None:
+        """EMA of the first-order gains of a predicted step and of a real step on fresh gradients;
+        their ratio is the worth of a predicted step in units of a real one."""
+        gains = self.predictor.first_order_gains([p.grad for p in self.params])
+        if gains is None or not all(math.isfinite(g) for g in gains):
+            return
+        beta = WORTH_BETA if self._worth_gains is not None else 0.0
+        old = self._worth_gains or (0.0, 0.0)
+        self._worth_gains = tuple(beta * o + (1 - beta) * g for o, g in zip(old, gains))
+        predicted, real = self._worth_gains
+        self.predicted_worth = predicted / real if real > 0 else 0.0
 
     def _refuse_update(self, phase: Phase, loss: float, grad_norm: float | None, lr: float, report) -> StepResult:
         """A critical divergence: the update is not applied; weights go back to the last good
@@ -441,6 +453,7 @@ class HybridTrainer:
                 "forecast": self._forecast,
                 "last_update_cosine": self._last_update_cosine,
                 "predicted_worth": self.predicted_worth,
+                "worth_gains": self._worth_gains,
                 "predict_base_loss": self._predict_base_loss,
                 "last_verified_loss": self._last_verified_loss,
                 "last_verified_single_batch": self._last_verified_single_batch,
@@ -472,6 +485,7 @@ class HybridTrainer:
         self.step_count, self._forecast = t["step_count"], t["forecast"]
         self._last_update_cosine = t["last_update_cosine"]
         self.predicted_worth = t["predicted_worth"]
+        self._worth_gains = None if t["worth_gains"] is None else tuple(t["worth_gains"])
         self._predict_base_loss, self._last_verified_loss = t["predict_base_loss"], t["last_verified_loss"]
         self._last_verified_single_batch, self._unverified_steps = t["last_verified_single_batch"], t["unverified_steps"]
         checkpoint.restore_rng(state["rng"])

@@ -1,0 +1,357 @@
+"""End-to-end benchmark: HybridTrainer vs a tuned plain AdamW loop on real data.
+
+    python -m bench.e2e [--quick] [--tasks charlm fashion digits] [--seeds 3] [--out docs/results]
+
+Protocol (shared/design.md §5):
+* Every arm of a task starts from the same initialisation and sees the same batches in the same
+  order, per seed. All arms of a task run in one process, interleaved chunk by chunk
+  (``eval_every`` steps of one arm, then of the next), so machine noise hits them alike.
+  ``torch.set_num_threads`` is fixed and reported.
+* Arms: AdamW at the learning rate picked by a small sweep (recorded in the output), the same
+  loop at 2× that rate (repeating updates resembles a larger step: the honest competitor), and
+  HybridTrainer (default config, and the aggressive preset) at the tuned rate. Plain arms run
+  ``steps`` steps; hybrid arms get 1.5× as many steps (they may see more batches; the claim is
+  wall-clock).
+* Target = the tuned baseline's validation loss at 80% of its budget (mean over seeds). Reported
+  per arm: training wall-clock and forward/backward passes to reach it, validation loss at equal
+  wall-clock (the tuned baseline's total training time), its gap in %, backward passes saved,
+  verifications accepted/rejected; mean ± std over seeds. Evaluation time is not training time.
+* Output: ``<out>/e2e_<task>.json``, ``<out>/e2e.md`` (all tasks) and ``<out>/e2e_<task>.png``
+  (validation loss vs wall-clock; phases of the first hybrid run shaded).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from hybrid_trainer import HybridConfig, HybridTrainer
+
+from .tasks import Task, get_task
+
+HYBRID_STEP_FACTOR = 1.5
+PHASE_COLOURS = {"WARMUP": "#dddddd", "FULL": "#cfe2f3", "PREDICT": "#d9ead3", "CORRECT": "#fce5cd"}
+
+
+@dataclass
+class ArmSpec:
+    name: str
+    lr: float
+    config: HybridConfig | None = None  # None: plain loop
+
+    @property
+    def hybrid(self) -> bool:
+        return self.config is not None
+
+
+@dataclass
+class ArmRun:
+    """One arm on one seed, advanced chunk by chunk."""
+
+    spec: ArmSpec
+    task: Task
+    seed: int
+    budget: int
+    model: torch.nn.Module = field(init=False)
+    curve: list[dict] = field(default_factory=list)  # eval points
+    phases: list[tuple[float, str]] = field(default_factory=list)  # (time at step start, phase)
+    train_time: float = 0.0
+    steps: int = 0
+    backward: int = 0
+    forward: int = 0
+
+    def __post_init__(self):
+        self.model = self.task.make_model(self.seed)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.spec.lr)
+        self.stream = self.task.batches(self.seed)
+        self.trainer = (HybridTrainer(self.model, self.optimizer, self.task.loss_fn, self.spec.config)
+                        if self.spec.hybrid else None)
+        self._eval()
+
+    @property
+    def done(self) -> bool:
+        return self.steps >= self.budget
+
+    def run_chunk(self, n: int, record_phases: bool) -> None:
+        n = min(n, self.budget - self.steps)
+        batches = [next(self.stream) for _ in range(n)]  # data loading is not training time
+        start = time.perf_counter()
+        if self.trainer is None:
+            for batch in batches:
+                self.optimizer.zero_grad(set_to_none=True)
+                loss = self.task.loss_fn(self.model, batch)
+                loss.backward()
+                self.optimizer.step()
+            self.backward += n
+            self.forward += n
+        else:
+            for batch in batches:
+                if record_phases:
+                    self.phases.append((self.train_time + time.perf_counter() - start, self.trainer.controller.phase.value))
+                self.trainer.step(batch)
+            s = self.trainer.stats
+            self.backward, self.forward = s.backward_passes, s.forward_passes
+        self.train_time += time.perf_counter() - start
+        self.steps += n
+        self._eval()
+
+    def _eval(self) -> None:
+        self.model.eval()
+        val = self.task.val_loss(self.model)
+        self.model.train()
+        self.curve.append(dict(step=self.steps, time=self.train_time, val_loss=val,
+                               backward=self.backward, forward=self.forward))
+
+    def hybrid_stats(self) -> dict[str, Any] | None:
+        if self.trainer is None:
+            return None
+        s = self.trainer.statistics()
+        keep = ("predicted_steps", "predicted_steps_kept", "predicted_steps_rolled_back", "verifications",
+                "verifications_accepted", "predict_phases", "predict_phases_rejected", "backward_saved_fraction",
+                "prediction_enabled", "prediction_disabled_reason", "predicted_step_worth", "time_by_phase_s",
+                "steps_by_phase", "dynamics_error_by_horizon", "loss_noise_std", "divergence_rollbacks")
+        return {k: s[k] for k in keep}
+
+
+# ------------------------------------------------------------------------------ analysis ----
+def interpolate(curve: list[dict], key: str, x: float, value: str = "val_loss") -> float:
+    """Linear interpolation of ``value`` at ``key == x`` along an eval curve (clamped to its ends)."""
+    pts = [(p[key], p[value]) for p in curve]
+    if x <= pts[0][0]:
+        return pts[0][1]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x0 <= x <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return pts[-1][1]
+
+
+def first_crossing(curve: list[dict], target: float) -> dict | None:
+    """Time/passes when the validation loss first reaches ``target`` (linear within an interval)."""
+    for p0, p1 in zip(curve, curve[1:]):
+        if p1["val_loss"] <= target:
+            if p0["val_loss"] <= target:
+                return dict(time=p0["time"], backward=p0["backward"], forward=p0["forward"], step=p0["step"])
+            f = (p0["val_loss"] - target) / (p0["val_loss"] - p1["val_loss"])
+            return {k: p0[k] + f * (p1[k] - p0[k]) for k in ("time", "backward", "forward", "step")}
+    return None
+
+
+def mean_std(values: list[float]) -> dict[str, float | None]:
+    vals = [v for v in values if v is not None and math.isfinite(v)]
+    if not vals:
+        return {"mean": None, "std": None, "n": 0}
+    return {"mean": statistics.fmean(vals), "std": statistics.pstdev(vals) if len(vals) > 1 else 0.0, "n": len(vals)}
+
+
+def analyse(task: Task, arms: list[ArmSpec], runs: dict[str, list[ArmRun]], baseline: str) -> dict:
+    target_step = int(0.8 * task.steps)
+    target = statistics.fmean(interpolate(r.curve, "step", target_step) for r in runs[baseline])
+    per_arm = {}
+    for spec in arms:
+        seeds = []
+        for run, base in zip(runs[spec.name], runs[baseline]):
+            cross = first_crossing(run.curve, target)
+            base_cross = first_crossing(base.curve, target)
+            t_eq = base.train_time
+            val_eq = interpolate(run.curve, "time", t_eq)
+            base_eq = interpolate(base.curve, "time", t_eq)
+            seeds.append(dict(
+                seed=run.seed, steps=run.steps, train_time_s=run.train_time, final_val_loss=run.curve[-1]["val_loss"],
+                time_to_target_s=None if cross is None else cross["time"],
+                backward_to_target=None if cross is None else cross["backward"],
+                forward_to_target=None if cross is None else cross["forward"],
+                speedup_vs_baseline=(base_cross["time"] / cross["time"]) if cross and base_cross else None,
+                val_loss_at_equal_time=val_eq,
+                loss_gap_pct_at_equal_time=100.0 * (val_eq - base_eq) / base_eq,
+                ran_past_equal_time=run.train_time >= t_eq,
+                backward_passes=run.backward, forward_passes=run.forward,
+                hybrid=run.hybrid_stats(), curve=run.curve,
+            ))
+        summary = {k: mean_std([s[k] for s in seeds]) for k in (
+            "time_to_target_s", "backward_to_target", "forward_to_target", "speedup_vs_baseline",
+            "val_loss_at_equal_time", "loss_gap_pct_at_equal_time", "final_val_loss", "train_time_s")}
+        summary["reached_target"] = sum(s["time_to_target_s"] is not None for s in seeds)
+        if spec.hybrid:
+            summary["backward_saved_pct"] = mean_std([100 * s["hybrid"]["backward_saved_fraction"] for s in seeds])
+            summary["verifications_accepted"] = sum(s["hybrid"]["verifications_accepted"] for s in seeds)
+            summary["verifications_rejected"] = sum(s["hybrid"]["verifications"] - s["hybrid"]["verifications_accepted"]
+                                                    for s in seeds)
+        per_arm[spec.name] = dict(lr=spec.lr, hybrid=spec.hybrid,
+                                  config=None if spec.config is None else spec.config.to_dict(),
+                                  summary=summary, seeds=seeds)
+    return dict(target_val_loss=target, target_definition=f"mean tuned-baseline val loss at step {target_step} "
+                                                          f"(80% of {task.steps})", arms=per_arm)
+
+
+# ------------------------------------------------------------------------------ running ----
+def run_arms(task: Task, arms: list[ArmSpec], seeds: list[int], desc: str) -> dict[str, list[ArmRun]]:
+    runs: dict[str, list[ArmRun]] = {a.name: [] for a in arms}
+    total_chunks = sum(math.ceil(_budget(task, a) / task.eval_every) for a in arms) * len(seeds)
+    with tqdm(total=total_chunks, desc=desc, unit="chunk", file=sys.stderr, disable=None) as bar:
+        for seed in seeds:
+            current = [ArmRun(a, task, seed, _budget(task, a)) for a in arms]
+            while not all(r.done for r in current):
+                for r in current:  # interleaved: one chunk of each arm in turn
+                    if not r.done:
+                        r.run_chunk(task.eval_every, record_phases=(seed == seeds[0]))
+                        bar.update(1)
+            for r in current:
+                runs[r.spec.name].append(r)
+    return runs
+
+
+def _budget(task: Task, arm: ArmSpec) -> int:
+    return int(task.steps * HYBRID_STEP_FACTOR) if arm.hybrid else task.steps
+
+
+def sweep_lr(task: Task, seed: int) -> tuple[float, dict[str, float]]:
+    arms = [ArmSpec(f"sweep lr={lr:g}", lr) for lr in task.lr_grid]
+    runs = run_arms(task, arms, [seed], desc=f"{task.name}: lr sweep")
+    finals = {a.name.split("=")[1]: runs[a.name][0].curve[-1]["val_loss"] for a in arms}
+    best = min(task.lr_grid, key=lambda lr: finals[f"{lr:g}"])
+    return best, finals
+
+
+def benchmark_task(name: str, quick: bool, n_seeds: int, presets: list[str]) -> dict:
+    task = get_task(name, quick)
+    print(f"\n== {name}: {task.data_source}", flush=True)
+    tuned_lr, sweep = sweep_lr(task, seed=1000)
+    arms = [ArmSpec("AdamW (tuned lr)", tuned_lr), ArmSpec("AdamW (2x lr)", 2 * tuned_lr)]
+    for preset in presets:
+        config = HybridConfig() if preset == "default" else getattr(HybridConfig, preset)()
+        arms.append(ArmSpec(f"HybridTrainer ({preset})", tuned_lr, config))
+    seeds = list(range(n_seeds))
+    started = time.perf_counter()
+    runs = run_arms(task, arms, seeds, desc=f"{name}: {len(arms)} arms x {n_seeds} seeds")
+    result = analyse(task, arms, runs, baseline="AdamW (tuned lr)")
+    result.update(task=name, data_source=task.data_source, details=task.details, steps=task.steps,
+                  eval_every=task.eval_every, hybrid_step_factor=HYBRID_STEP_FACTOR, lr_sweep=sweep,
+                  tuned_lr=tuned_lr, seeds=seeds, wall_s=time.perf_counter() - started,
+                  phases_first_hybrid={a.name: runs[a.name][0].phases for a in arms if a.hybrid})
+    return result
+
+
+# ------------------------------------------------------------------------------ reporting ----
+def _fmt(ms: dict, digits: int = 3, pct: bool = False) -> str:
+    if ms["mean"] is None:
+        return "not reached"
+    unit = "%" if pct else ""
+    return f"{ms['mean']:.{digits}f}{unit} ± {ms['std']:.{digits}f}" if ms["n"] > 1 else f"{ms['mean']:.{digits}f}{unit}"
+
+
+def markdown(results: list[dict], meta: dict) -> str:
+    lines = [f"End-to-end benchmark, `{meta['command']}` ({meta['date']}, {meta['device']}, "
+             f"torch {meta['torch']}, {meta['threads']} thread(s)). Mean ± std over seeds.", ""]
+    for r in results:
+        lines += [f"### {r['task']}: {r['data_source']}", "",
+                  f"Target val loss {r['target_val_loss']:.4f} ({r['target_definition']}); tuned lr "
+                  f"{r['tuned_lr']:g} from sweep {r['lr_sweep']}; seeds {r['seeds']}.", "",
+                  "| arm | time to target (s) | speed-up | backward to target | forward to target | val loss at equal "
+                  "time | gap vs tuned | final val loss | backward saved | verifications ✓/✗ |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for name, arm in r["arms"].items():
+            s = arm["summary"]
+            reached = f" ({s['reached_target']}/{len(arm['seeds'])} reached)" if s["reached_target"] < len(arm["seeds"]) else ""
+            saved = _fmt(s["backward_saved_pct"], 1, True) if arm["hybrid"] else "–"
+            ver = f"{s['verifications_accepted']}/{s['verifications_rejected']}" if arm["hybrid"] else "–"
+            lines.append(f"| {name} | {_fmt(s['time_to_target_s'], 2)}{reached} | {_fmt(s['speedup_vs_baseline'], 2)}× "
+                         f"| {_fmt(s['backward_to_target'], 0)} | {_fmt(s['forward_to_target'], 0)} "
+                         f"| {_fmt(s['val_loss_at_equal_time'], 4)} | {_fmt(s['loss_gap_pct_at_equal_time'], 2, True)} "
+                         f"| {_fmt(s['final_val_loss'], 4)} | {saved} | {ver} |")
+        for name, arm in r["arms"].items():
+            if arm["hybrid"]:
+                h = arm["seeds"][0]["hybrid"]
+                lines.append(f"\n{name}, seed {arm['seeds'][0]['seed']}: predicted steps {h['predicted_steps']} "
+                             f"({h['predicted_steps_kept']} kept, {h['predicted_steps_rolled_back']} rolled back), "
+                             f"predict phases {h['predict_phases']} ({h['predict_phases_rejected']} rejected), "
+                             f"measured worth of a predicted step {h['predicted_step_worth']}, time by phase "
+                             + ", ".join(f"{k} {v:.1f}s" for k, v in h["time_by_phase_s"].items())
+                             + ("" if h["prediction_enabled"] else f"; {h['prediction_disabled_reason']}"))
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5))
+    first_hybrid = next((n for n, a in result["arms"].items() if a["hybrid"]), None)
+    if first_hybrid:
+        spans = result["phases_first_hybrid"][first_hybrid]
+        end = result["arms"][first_hybrid]["seeds"][0]["train_time_s"]
+        seen = set()
+        for (t0, phase), nxt in zip(spans, spans[1:] + [(end, None)]):
+            label = f"{first_hybrid} seed 0: {phase}" if phase not in seen else None
+            seen.add(phase)
+            ax.axvspan(t0, nxt[0], color=PHASE_COLOURS.get(phase, "#eeeeee"), alpha=0.6, lw=0, label=label)
+    for i, (name, arm) in enumerate(result["arms"].items()):
+        colour = f"C{i}"
+        for j, seed in enumerate(arm["seeds"]):
+            xs = [p["time"] for p in seed["curve"]]
+            ys = [p["val_loss"] for p in seed["curve"]]
+            ax.plot(xs, ys, color=colour, lw=1.6 if j == 0 else 0.8, alpha=1.0 if j == 0 else 0.5,
+                    label=name if j == 0 else None)
+    ax.axhline(result["target_val_loss"], color="black", ls="--", lw=0.8, label="target")
+    ax.set_xlabel("training wall-clock (s)")
+    ax.set_ylabel("validation loss")
+    lows = [p["val_loss"] for a in result["arms"].values() for s in a["seeds"] for p in s["curve"]]
+    ax.set_ylim(min(lows) * 0.98, result["target_val_loss"] + 3 * (result["target_val_loss"] - min(lows)) + 1e-3)
+    ax.set_title(f"{result['task']}: {result['data_source'][:80]}", fontsize=9)
+    ax.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="HybridTrainer vs tuned AdamW on real data")
+    parser.add_argument("--quick", action="store_true", help="digits + a very short charlm (under a minute)")
+    parser.add_argument("--tasks", nargs="+", default=None, help="charlm fashion digits (default: all; quick: digits charlm)")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--presets", nargs="+", default=None, help="hybrid configs: default conservative aggressive")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=Path("docs/results"))
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    tasks = args.tasks or (["digits", "charlm"] if args.quick else ["charlm", "fashion", "digits"])
+    presets = args.presets or (["default"] if args.quick else ["default", "aggressive"])
+    args.out.mkdir(parents=True, exist_ok=True)
+    command = "python -m bench.e2e" + (" --quick" if args.quick else "") + (
+        f" --tasks {' '.join(args.tasks)}" if args.tasks else "") + (f" --seeds {args.seeds}" if args.seeds != 3 else "") + (
+        f" --presets {' '.join(args.presets)}" if args.presets else "")
+    meta = dict(command=command, date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                device=f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores"
+                if not torch.cuda.is_available() else torch.cuda.get_device_name(0),
+                torch=torch.__version__, threads=torch.get_num_threads(), python=platform.python_version())
+    results = []
+    suffix = "_quick" if args.quick else ""
+    for name in tasks:
+        result = benchmark_task(name, args.quick, args.seeds, presets)
+        result["meta"] = meta
+        results.append(result)
+        (args.out / f"e2e_{name}{suffix}.json").write_text(json.dumps(result, indent=1))
+        plot(result, args.out / f"e2e_{name}{suffix}.png")
+    text = markdown(results, meta)
+    (args.out / f"e2e{suffix}.md").write_text(text + "\n")
+    print("\n" + text)
+    print(f"wrote {args.out}/e2e{suffix}.md and e2e_<task>{suffix}.json/.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
