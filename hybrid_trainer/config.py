@@ -130,8 +130,8 @@ class HybridConfig:
              "a float in [0, 1]")
         need("max_consecutive_rejections", is_int(self.max_consecutive_rejections)
              and self.max_consecutive_rejections >= 1, "an int >= 1")
-        need("min_predicted_worth", is_num(self.min_predicted_worth) and -1 <= self.min_predicted_worth <= 1,
-             "a float in [-1, 1]")
+        need("min_predicted_worth", is_num(self.min_predicted_worth) and -1 <= self.min_predicted_worth <= 10,
+             "a float in [-1, 10]")
         need("max_consecutive_declines", is_int(self.max_consecutive_declines) and self.max_consecutive_declines >= 1,
              "an int >= 1")
         need("use_bandit", isinstance(self.use_bandit, bool), "a bool")

@@ -1,0 +1,161 @@
+"""How much is a predicted step worth? Candidate update predictors measured on a real run.
+
+    python -m bench.predictors [--task charlm] [--steps 600] [--out docs/results]
+
+Trains the task's model with plain AdamW (tuned-ish lr) and, at every step t, measures for each
+candidate predictor the first-order loss decrease of its predicted step ``p_t`` relative to that
+of the real update ``u_t``, on the gradient of the *next* batch (which neither has seen):
+
+    worth = Σ −<g_{t+1}, p_t> / Σ −<g_{t+1}, u_t>        (sums over windows of steps)
+
+worth = 1: a predicted step is as good as a real one; 0: useless; < 0: harmful. A predicted step
+costs about (verification forward / verify_every + one in-place add) of a real step's time, so
+it can only pay where worth exceeds that cost. Candidates: EMA of updates (β 0.9/0.98/0.99) with
+the trainer's least-squares scale, the raw EMA vector (scale 1), the last update repeated, and
+the least-squares slope of the weight trajectory over the last 4 updates.
+
+Writes ``<out>/predictors_<task>.json`` and ``.png`` (worth over training).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from .tasks import get_task
+
+EMA_BETAS = (0.9, 0.98, 0.99)
+SLOPE_K = 4
+
+
+def _flat_params(model) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _flat_grads(model) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+
+def slope_weights(k: int) -> list[float]:
+    """slope of a least-squares line through θ_0..θ_k as Σ_j w_j u_j (u_j = θ_j − θ_{j−1})."""
+    times = list(range(k + 1))
+    mean_t = sum(times) / len(times)
+    denom = sum((t - mean_t) ** 2 for t in times)
+    return [sum(t - mean_t for t in times[j:]) / denom for j in range(1, k + 1)]
+
+
+def measure(task_name: str, steps: int, lr: float | None, seed: int = 0, windows: int = 6) -> dict:
+    task = get_task(task_name)
+    lr = lr if lr is not None else sorted(task.lr_grid)[len(task.lr_grid) // 2]
+    model = task.make_model(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    stream = task.batches(seed)
+    emas = {b: None for b in EMA_BETAS}
+    recent: list[torch.Tensor] = []
+    pending: dict[str, torch.Tensor] | None = None  # predicted steps made after the last update
+    last_update = None
+    raw: dict[str, list[tuple[float, float]]] = {}  # name -> per step (predicted gain, real gain)
+    losses = []
+    for step in range(steps):
+        batch = next(stream)
+        optimizer.zero_grad(set_to_none=True)
+        loss = task.loss_fn(model, batch)
+        loss.backward()
+        losses.append(float(loss.detach()))
+        grad = _flat_grads(model)
+        if pending is not None:
+            real_gain = -float(grad @ last_update)
+            for name, pred in pending.items():
+                raw.setdefault(name, []).append((-float(grad @ pred), real_gain))
+        before = _flat_params(model)
+        optimizer.step()
+        update = _flat_params(model) - before
+        candidates = {}
+        for beta in EMA_BETAS:
+            prev = emas[beta]
+            if prev is not None:
+                dd = float(prev @ prev)
+                scale = max(0.0, float(update @ prev) / dd) if dd > 0 else 0.0
+                candidates[f"EMA β={beta} × LS scale"] = prev * scale
+                if beta == 0.98:
+                    candidates["EMA β=0.98 raw"] = prev.clone()
+            emas[beta] = update.clone() if prev is None else prev.mul(beta).add_(update, alpha=1 - beta)
+        candidates["last update"] = update.clone()
+        recent = (recent + [update])[-SLOPE_K:]
+        if len(recent) == SLOPE_K:
+            candidates[f"LS slope of last {SLOPE_K}"] = sum(w * u for w, u in zip(slope_weights(SLOPE_K), recent))
+        pending, last_update = candidates, update
+    size = max(1, steps // windows)
+    window_worth = {}
+    for name, pairs in raw.items():
+        offset = steps - len(pairs)  # candidates start after their history fills
+        per_window = []
+        for w in range(windows):
+            chunk = [p for i, p in enumerate(pairs) if w * size <= i + offset < (w + 1) * size]
+            pred, real = sum(p for p, _ in chunk), sum(r for _, r in chunk)
+            per_window.append(pred / real if chunk and real > 0 else None)
+        window_worth[name] = per_window
+    total = {name: sum(p for p, _ in pairs) / sum(r for _, r in pairs) if sum(r for _, r in pairs) > 0 else None
+             for name, pairs in raw.items()}
+    real_positive = sum(r > 0 for _, r in raw["last update"]) / len(raw["last update"])
+    return dict(task=task_name, data_source=task.data_source, steps=steps, lr=lr, seed=seed, window_steps=size,
+                worth_by_window=window_worth, worth_whole_run=total,
+                fraction_of_real_updates_that_help_the_next_batch=real_positive, train_loss=losses)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    size = result["window_steps"]
+    for name, values in result["worth_by_window"].items():
+        if name == "last update":
+            continue  # 1 by construction
+        xs = [(i + 0.5) * size for i, v in enumerate(values) if v is not None]
+        ys = [v for v in values if v is not None]
+        ax.plot(xs, ys, marker="o", lw=1.2, label=name)
+    ax.axhline(0, color="black", lw=0.6)
+    ax.axhline(1, color="black", lw=0.6, ls=":", label="a real step")
+    ax.set_xlabel("training step (plain AdamW); each point sums a window of steps")
+    ax.set_ylabel("worth of a predicted step (1 = a real step)")
+    ax.set_title(f"{result['task']}: first-order worth of predicted steps on the next batch's gradient", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--task", default="charlm")
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--lr", type=float, default=None)
+    parser.add_argument("--out", type=Path, default=Path("docs/results"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    result = measure(args.task, args.steps, args.lr)
+    result.update(command=f"python -m bench.predictors --task {args.task} --steps {args.steps}"
+                          + (f" --lr {args.lr}" if args.lr else ""),
+                  date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), torch=torch.__version__)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"predictors_{args.task}.json").write_text(json.dumps(result, indent=1))
+    plot(result, args.out / f"predictors_{args.task}.png")
+    print(f"{args.task}: worth of a predicted step relative to a real one ({args.steps} steps, lr {result['lr']}); "
+          f"windows of {result['window_steps']} steps, then whole run:")
+    for name, values in result["worth_by_window"].items():
+        shown = " ".join("  n/a " if v is None else f"{v:+.3f}" for v in values)
+        whole = result["worth_whole_run"][name]
+        print(f"  {name:28s} {shown}   | {'n/a' if whole is None else f'{whole:+.3f}'}")
+    print(f"  real updates that lower the next batch's loss (first order): "
+          f"{100 * result['fraction_of_real_updates_that_help_the_next_batch']:.0f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
