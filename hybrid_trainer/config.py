@@ -59,6 +59,19 @@ class HybridConfig:
         good_state_every: real steps between snapshots of the last good state (divergence
             rollback); 0 disables divergence rollback snapshots.
         divergence: keyword arguments for :class:`~hybrid_trainer.divergence.DivergenceMonitor`.
+        memory_profile: record a memory snapshot (NVML/torch.cuda on GPU, RSS on CPU) every
+            ``memory_every`` steps (``trainer.profiler``: per-phase stats, peaks, spikes, CSV/JSON).
+        memory_spike_threshold: a snapshot above (1 + this) × the recent median is a spike.
+        vram_warning, vram_critical: VRAM guard thresholds (fractions in (0, 1] of device memory,
+            or bytes > 1); None disables the guard. Critical → emergency checkpoint to
+            ``emergency_checkpoint_path`` (if set), then ``torch.cuda.empty_cache()``.
+        offload_while_predicting: move optimizer state to (pinned) CPU memory during PREDICT
+            (nothing steps the optimizer then) and prefetch it back before the next real step.
+            Acts on CUDA state only; a no-op on CPU.
+        checkpoint_modules: qualified submodule names to run under gradient checkpointing
+            (``torch.utils.checkpoint``) during real steps; None: off.
+        checkpoint_module_type, checkpoint_every_nth: alternatively, checkpoint every n-th
+            submodule whose class name is ``checkpoint_module_type`` (e.g. ``"GPTBlock"``).
         metrics_path: JSONL file receiving one record per step (None: no per-step records;
             ``trainer.plot`` needs it).
         seed: seed of the trainer's own random draws (dynamics replay sampling).
@@ -97,6 +110,16 @@ class HybridConfig:
     autocast_dtype: str | None = None
     good_state_every: int = 50
     divergence: dict[str, Any] = field(default_factory=dict)
+    memory_profile: bool = False
+    memory_every: int = 1
+    memory_spike_threshold: float = 0.25
+    vram_warning: float | None = None
+    vram_critical: float | None = None
+    emergency_checkpoint_path: str | None = None
+    offload_while_predicting: bool = False
+    checkpoint_modules: list[str] | None = None
+    checkpoint_module_type: str | None = None
+    checkpoint_every_nth: int = 1
     metrics_path: str | None = None
     seed: int = 0
 
@@ -159,6 +182,31 @@ class HybridConfig:
         need("autocast_dtype", self.autocast_dtype in AUTOCAST_DTYPES, f"one of {AUTOCAST_DTYPES}")
         need("good_state_every", is_int(self.good_state_every) and self.good_state_every >= 0, "an int >= 0")
         need("divergence", isinstance(self.divergence, dict), "a dict of DivergenceMonitor keyword arguments")
+        need("memory_profile", isinstance(self.memory_profile, bool), "a bool")
+        need("memory_every", is_int(self.memory_every) and self.memory_every >= 1, "an int >= 1")
+        need("memory_spike_threshold", is_num(self.memory_spike_threshold) and self.memory_spike_threshold > 0,
+             "a float > 0")
+        for name in ("vram_warning", "vram_critical"):
+            value = getattr(self, name)
+            need(name, value is None or (is_num(value) and value > 0),
+                 "None, a fraction in (0, 1] of device memory, or a byte count > 1")
+        need("vram_critical", (self.vram_warning is None) == (self.vram_critical is None),
+             "set together with vram_warning (both or neither)")
+        if self.vram_warning is not None:
+            need("vram_critical", (self.vram_warning <= 1) == (self.vram_critical <= 1)
+                 and self.vram_warning < self.vram_critical,
+                 f"above vram_warning={self.vram_warning!r} and of the same kind (both fractions or both bytes)")
+        need("emergency_checkpoint_path", self.emergency_checkpoint_path is None
+             or isinstance(self.emergency_checkpoint_path, str), "None or a str path")
+        need("offload_while_predicting", isinstance(self.offload_while_predicting, bool), "a bool")
+        need("checkpoint_modules", self.checkpoint_modules is None or (
+            isinstance(self.checkpoint_modules, (list, tuple)) and len(self.checkpoint_modules) > 0
+            and all(isinstance(m, str) for m in self.checkpoint_modules)), "None or a non-empty list of module names")
+        need("checkpoint_module_type", self.checkpoint_module_type is None
+             or (isinstance(self.checkpoint_module_type, str) and self.checkpoint_module_type), "None or a class name")
+        need("checkpoint_module_type", self.checkpoint_modules is None or self.checkpoint_module_type is None,
+             "None when checkpoint_modules is set (choose modules by name or by type, not both)")
+        need("checkpoint_every_nth", is_int(self.checkpoint_every_nth) and self.checkpoint_every_nth >= 1, "an int >= 1")
         need("metrics_path", self.metrics_path is None or isinstance(self.metrics_path, str), "None or a str path")
         need("seed", is_int(self.seed) and self.seed >= 0, "an int >= 0")
 
@@ -171,6 +219,8 @@ class HybridConfig:
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["predict_lengths"] = list(self.predict_lengths)
+        if self.checkpoint_modules is not None:
+            data["checkpoint_modules"] = list(self.checkpoint_modules)
         return data
 
     def to_json(self) -> str:

@@ -16,6 +16,7 @@ log-variance, in units of the typical one-step loss change so the targets are O(
 """
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -185,7 +186,9 @@ class DynamicsModel(nn.Module):
     def full_state_dict(self) -> dict:
         return {
             "params": {k: v.clone() for k, v in self.state_dict().items()},
-            "optimizer": self.optimizer.state_dict(),
+            # A copy: Optimizer.load_state_dict keeps same-device tensors as they are, so a state
+            # passed in memory would otherwise share Adam moments between two models.
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
             "sampler": self.sampler.get_state(),
             "states": self.states.clone(), "losses": self.losses.clone(), "count": self.count,
             "loss_unit": self.loss_unit, "train_steps": self.train_steps, "last_train_loss": self.last_train_loss,

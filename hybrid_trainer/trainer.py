@@ -39,7 +39,9 @@ from .anchor import WeightAnchor
 from .config import HybridConfig
 from .divergence import DivergenceMonitor, Severity
 from .dynamics import DynamicsModel
+from .memory import MemoryProfiler, VRAMGuard, default_reader
 from .metrics import MetricsLogger, plot_run
+from .offload import StateOffloader
 from .normalizer import RunningNormalizer
 from .phases import Phase, PhaseController
 from .predictor import DeltaPredictor
@@ -139,6 +141,15 @@ class HybridTrainer:
         self.scaler = (torch.amp.GradScaler(self.device.type)
                        if config.autocast_dtype == "float16" else None)
 
+        reader = default_reader(self.device) if (config.memory_profile or config.vram_critical is not None) else None
+        self.profiler = (MemoryProfiler(reader, self.device, spike_threshold=config.memory_spike_threshold,
+                                        every=config.memory_every) if config.memory_profile else None)
+        self.vram_guard = (VRAMGuard(config.vram_warning, config.vram_critical, reader,
+                                     on_critical=self._emergency_checkpoint)
+                           if config.vram_critical is not None else None)
+        self.offloader = StateOffloader(optimizer) if config.offload_while_predicting else None
+        self.grad_checkpointing = self._make_grad_checkpointing(model, config)
+
         self.step_count = 0
         self._forecast: dict[str, torch.Tensor] | None = None
         self._last_update_cosine = float("nan")
@@ -159,6 +170,7 @@ class HybridTrainer:
         if phase is Phase.PREDICT:
             result = self._predict_step(batch)
         else:
+            self._state_home()
             result = self._real_step(batch, phase)
         result.wall_time_s = time.perf_counter() - started
         self.stats.steps_by_phase[phase.value] += 1
@@ -166,8 +178,44 @@ class HybridTrainer:
         self.step_count += 1
         if not (phase is Phase.PREDICT and result.rolled_back):
             self.controller.advance(self._confidence)
+        if phase is Phase.PREDICT and self.controller.phase is not Phase.PREDICT and self.offloader is not None:
+            self.offloader.prefetch()  # overlaps the copy back with whatever the caller does next
+        if self.profiler is not None:
+            self.profiler.snapshot(result.step, phase.value)
+        if self.vram_guard is not None:
+            self.vram_guard.check(result.step)
         self._log(result)
         return result
+
+    # ------------------------------------------------------------------- memory helpers ----
+    @staticmethod
+    def _make_grad_checkpointing(model: torch.nn.Module, config: HybridConfig):
+        if config.checkpoint_modules is None and config.checkpoint_module_type is None:
+            return None
+        from .grad_checkpoint import GradientCheckpointing
+
+        module_type = None
+        if config.checkpoint_module_type is not None:
+            types = {type(m) for m in model.modules() if type(m).__name__ == config.checkpoint_module_type}
+            if not types:
+                names = sorted({type(m).__name__ for m in model.modules()})
+                raise ValueError(f"HybridConfig.checkpoint_module_type={config.checkpoint_module_type!r}: no submodule "
+                                 f"of that class; the model has {names[:12]}")
+            module_type = tuple(types)
+        return GradientCheckpointing(model, modules=config.checkpoint_modules,
+                                     every_nth=config.checkpoint_every_nth, module_type=module_type)
+
+    def _state_home(self) -> None:
+        """Optimizer state must be on its device before anything steps or saves it."""
+        if self.offloader is not None:
+            if self.offloader.offloaded:
+                self.offloader.prefetch()
+            self.offloader.wait()
+
+    def _emergency_checkpoint(self, sample) -> None:
+        path = self.config.emergency_checkpoint_path
+        if path is not None:
+            self.save(path)
 
     def _micro_batches(self, batch: Any) -> Sequence[Any]:
         k = self.config.grad_accumulation
@@ -321,6 +369,8 @@ class HybridTrainer:
         cfg = self.config
         ctl = self.controller
         if ctl.phase_step == 0:
+            if self.offloader is not None:
+                self.offloader.offload()
             self.anchor.save(self.step_count)
             self._predict_base_loss = self.loss_trend.mean
             self._last_verified_loss = self.loss_trend.mean
@@ -502,6 +552,7 @@ class HybridTrainer:
 
     def save(self, path) -> None:
         """Write the full state atomically (temporary file, fsync, rename)."""
+        self._state_home()
         checkpoint.atomic_save(self.state_dict(), path)
 
     def load(self, path) -> None:

@@ -287,3 +287,91 @@ def test_random_labels_prediction_turns_off_and_loss_matches_plain_loop():
         plain_final = float(torch.nn.functional.cross_entropy(plain(eval_x), eval_y))
         hybrid_final = float(torch.nn.functional.cross_entropy(model(eval_x), eval_y))
     assert abs(hybrid_final - plain_final) / plain_final < 0.02, (hybrid_final, plain_final, stats)
+
+
+def test_memory_profiler_and_vram_guard_emergency_checkpoint(stream, tmp_path):
+    # CPU: the reader is process RSS; thresholds in bytes far below it force a critical crossing.
+    path = tmp_path / "emergency.pt"
+    trainer = make_trainer(memory_profile=True, vram_warning=1.0e3, vram_critical=2.0e3,
+                           emergency_checkpoint_path=str(path))
+    for b in stream[:12]:
+        trainer.step(b)
+    stats = trainer.profiler.per_phase_stats()
+    assert set(stats) == {"WARMUP", "FULL"} and stats["WARMUP"]["count"] == 8
+    assert trainer.profiler.peak().bytes_in_use > 0
+    assert [e["level"] for e in trainer.vram_guard.events] == ["warning", "critical"]  # once per crossing
+    restored = make_trainer(seed=5)
+    restored.load(path)
+    assert restored.step_count == 1  # written at the first step's crossing
+
+
+def test_gradient_checkpointing_gives_the_same_run(stream):
+    plain = make_trainer(confidence_threshold=0.0)
+    checkpointed = make_trainer(confidence_threshold=0.0, checkpoint_modules=["0", "2"])
+    assert checkpointed.grad_checkpointing.wrapped == ["0", "2"]
+    for b in stream[:40]:
+        plain.step(b)
+        checkpointed.step(b)
+    for p, q in zip(plain.params, checkpointed.params):
+        assert torch.equal(p, q)
+    with pytest.raises(ValueError, match="'block0'"):
+        make_trainer(checkpoint_modules=["block0"])
+    with pytest.raises(ValueError, match="checkpoint_module_type='GPTBlock'"):
+        make_trainer(checkpoint_module_type="GPTBlock")
+
+
+def test_offload_while_predicting_leaves_the_run_unchanged(stream):
+    plain = make_trainer(confidence_threshold=0.0)
+    offloading = make_trainer(confidence_threshold=0.0, offload_while_predicting=True)
+    for b in stream[:50]:
+        plain.step(b)
+        offloading.step(b)
+    assert offloading.stats.predicted_steps > 0
+    for p, q in zip(plain.params, offloading.params):
+        assert torch.equal(p, q)
+
+
+def test_loss_spike_restores_the_last_good_state(stream):
+    trainer = make_trainer(good_state_every=5, divergence={"min_history": 5})
+    calls = {"n": 0}
+
+    def spiking(model, batch):
+        calls["n"] += 1
+        loss = cross_entropy(model, batch)
+        return loss * 50.0 if calls["n"] == 16 else loss
+
+    trainer.loss_fn = spiking
+    for b in stream[:15]:
+        trainer.step(b)
+    assert trainer.good_state.is_set
+    good_step = trainer.good_state.step
+    result = trainer.step(stream[15])
+    assert result.skipped and result.rolled_back and "z" in result.divergence
+    saved = trainer.good_state.state_dict()["params"]
+    for p, s in zip(trainer.params, saved):
+        assert torch.equal(p.detach(), s)
+    assert trainer.controller.phase is Phase.FULL and trainer.stats.divergence_rollbacks == 1
+    assert good_step <= 15
+    assert not trainer.step(stream[16]).skipped  # and training goes on
+
+
+def test_linear_direction_is_the_least_squares_slope_of_recorded_updates():
+    from hybrid_trainer.predictor import DeltaPredictor
+
+    param = torch.zeros(1000)
+    predictor = DeltaPredictor([param], direction="linear", history_size=4)
+    updates = [torch.randn(1000) * 0.01 + 0.02 * k for k in range(4)]  # an accelerating trajectory
+    for u in updates:
+        predictor.begin_step()
+        param += u
+        predictor.end_step()
+    flat, _ = predictor.current_direction(refresh=True)
+    thetas = torch.stack([torch.zeros(1000)] + [sum(updates[: k + 1]) for k in range(4)])
+    t = torch.arange(5, dtype=torch.float32)
+    expected = ((t - t.mean())[:, None] * (thetas - thetas.mean(0))).sum(0) / ((t - t.mean()) ** 2).sum()
+    # int8 storage: each stored update is off by at most half a quantization step (absmax / 127 / 2).
+    weights = predictor.linear_weights(4)
+    bound = sum(abs(w) * float(u.abs().max()) / 127 / 2 for w, u in zip(weights, updates))
+    assert float((flat - expected).abs().max()) <= bound * 1.001
+    assert float((flat - expected).abs().max()) < 0.05 * float(expected.abs().max())
+    assert predictor._history[0][0].dtype == torch.int8  # kept compact
