@@ -175,6 +175,10 @@ class DeltaPredictor:
                                 granularity="block", block_size=_HISTORY_BLOCK)
         return self._linear_flat, self._linear
 
+    def history_tensors(self) -> list[torch.Tensor]:
+        """The stored int8 updates and their scales (not needed while predicted steps are applied)."""
+        return [t for pair in self._history for t in pair]
+
     # -- predicted steps -------------------------------------------------------------------
     @torch.no_grad()
     def apply_predicted_step(self, multiplier: float = 1.0) -> torch.Tensor:

@@ -147,7 +147,9 @@ class HybridTrainer:
         self.vram_guard = (VRAMGuard(config.vram_warning, config.vram_critical, reader,
                                      on_critical=self._emergency_checkpoint)
                            if config.vram_critical is not None else None)
-        self.offloader = StateOffloader(optimizer) if config.offload_while_predicting else None
+        # The int8 update history ("linear" direction) is not read while predicting either.
+        self.offloader = (StateOffloader(optimizer, extra=self.predictor.history_tensors)
+                          if config.offload_while_predicting else None)
         self.grad_checkpointing = self._make_grad_checkpointing(model, config)
 
         self.step_count = 0

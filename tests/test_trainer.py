@@ -230,10 +230,21 @@ def test_triton_kernels_serve_the_trainer_under_the_interpreter(stream, monkeypa
     ("predict_lengths", (), "predict_lengths"),
     ("autocast_dtype", "int8", "autocast_dtype"),
     ("confidence_threshold", float("nan"), "confidence_threshold"),
+    ("vram_warning", -0.5, "vram_warning=-0.5"),
+    ("vram_warning", 0.9, "vram_critical=None: must be set together with vram_warning"),
+    ("checkpoint_modules", [], "checkpoint_modules=\\[\\]"),
+    ("memory_spike_threshold", 0.0, "memory_spike_threshold=0.0"),
 ])
 def test_config_validation_names_the_field(field, value, match):
     with pytest.raises(ValueError, match=match):
         HybridConfig(**{field: value})
+
+
+def test_vram_thresholds_must_be_ordered_and_of_one_kind():
+    with pytest.raises(ValueError, match="vram_critical=0.5: must be above vram_warning=0.9"):
+        HybridConfig(vram_warning=0.9, vram_critical=0.5)
+    with pytest.raises(ValueError, match="same kind"):
+        HybridConfig(vram_warning=0.9, vram_critical=8e9)
 
 
 def test_config_json_round_trip_and_presets():
