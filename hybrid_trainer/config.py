@@ -25,9 +25,9 @@ class HybridConfig:
         max_consecutive_rejections: rejected PREDICT phases in a row after which prediction is
             switched off for the rest of the run (each rejection also doubles the FULL cool-down).
         min_predicted_worth: a PREDICT phase starts only if a predicted step is measured to be
-            worth at least this fraction of a real step (first-order: ``<g, s∘d> / <g, u>`` on a
-            fresh batch's gradient g, u the last real update
-            on real steps, EMA). Below it predicting cannot pay for its verification.
+            worth at least this fraction of a real step: its first-order loss decrease
+            ``−<g, s∘d>`` on fresh batches (EMA) over the measured loss decrease per real step.
+            Below it predicting cannot pay for its verification.
         max_consecutive_declines: phase decisions in a row that declined to predict (worth or
             confidence too low) after which prediction is switched off for the run, so the
             trainer stops recording and costs what the plain loop costs.
@@ -85,7 +85,7 @@ class HybridConfig:
     confidence_threshold: float = 0.5
     max_consecutive_rejections: int = 4
     min_predicted_worth: float = 0.1
-    max_consecutive_declines: int = 8
+    max_consecutive_declines: int = 5
     use_bandit: bool = False
     bandit_alpha: float = 1.0
 

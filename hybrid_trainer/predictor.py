@@ -111,26 +111,18 @@ class DeltaPredictor:
         return stats
 
     @torch.no_grad()
-    def first_order_gains(self, grads: list[torch.Tensor | None]) -> tuple[float, float] | None:
-        """Linearised loss decrease of the next predicted step and of the last real update, on a
-        gradient the last update never saw: ``(−<g, s∘d>, −<g, u_last>)``.
-
-        Call after ``backward`` and before ``begin_step`` (the buffer still holds the last real
-        update). The gradient of a fresh batch makes the comparison fair: on the batch that
-        produced it, a real update looks better than it is, because it partly fits that batch's noise.
-        """
+    def predicted_gain(self, grads: list[torch.Tensor | None]) -> float | None:
+        """Linearised loss decrease ``−<g, s∘d>`` of the predicted step the predictor would apply
+        now, on a gradient ``g`` of a batch the direction never saw (call after ``backward``,
+        before ``begin_step``). None before any update."""
         if self.n_updates == 0 or self._recording:
             return None
         direction = self.current_direction(refresh=False)
-        gain_predicted, gain_real = 0.0, 0.0
-        for g, u, d, s in zip(grads, self._before, direction[1], self.scales.tolist()):
-            if g is None:
-                continue
-            g = g.reshape(-1).float()
-            gain_real -= float(torch.dot(g, u.reshape(-1)))
-            if s:
-                gain_predicted -= s * float(torch.dot(g, d.reshape(-1)))
-        return gain_predicted, gain_real
+        gain = 0.0
+        for g, d, s in zip(grads, direction[1], self.scales.tolist()):
+            if g is not None and s:
+                gain -= s * float(torch.dot(g.reshape(-1).float(), d.reshape(-1)))
+        return gain
 
     def _fit_scales(self, update, update_views, direction, stats: UpdateStats) -> UpdateStats:
         direction_flat, direction_views = direction

@@ -48,7 +48,7 @@ from .predictor import DeltaPredictor
 from .verifier import LossTrend, verify
 
 CHECKPOINT_VERSION = 1
-WORTH_BETA = 0.9  # EMA factor of the first-order gains behind the predicted-step worth
+WORTH_BETA = 0.9  # EMA factor of the predicted step's first-order gain
 
 
 @dataclass
@@ -155,8 +155,8 @@ class HybridTrainer:
         self.step_count = 0
         self._forecast: dict[str, torch.Tensor] | None = None
         self._last_update_cosine = float("nan")
-        self.predicted_worth: float | None = None  # ratio of the EMA first-order gains below
-        self._worth_gains: tuple[float, float] | None = None
+        self.predicted_worth: float | None = None  # see _measure_worth
+        self._predicted_gain: float | None = None
         # State of the PREDICT phase in progress.
         self._predict_base_loss: float | None = None
         self._last_verified_loss: float | None = None
@@ -264,7 +264,11 @@ class HybridTrainer:
         if math.isfinite(total):
             if self.scaler is not None:
                 self.scaler.unscale_(self.optimizer)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip or float("inf")))
+            grads = [p.grad for p in self.params if p.grad is not None]
+            if cfg.grad_clip is None:  # measure only: clip_grad_norm_(inf) would also rescale every grad by 1
+                grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+            else:
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip))
         if self.scaler is not None and grad_norm is not None and not math.isfinite(grad_norm):
             grad_for_check = None  # fp16 overflow: the GradScaler skips this step by itself
         else:
@@ -304,16 +308,19 @@ class HybridTrainer:
                           divergence=report.severity.name, grad_norm=grad_norm, lr=lr)
 
     def _measure_worth(self) -> None:
-        """EMA of the first-order gains of a predicted step and of a real step on fresh gradients;
-        their ratio is the worth of a predicted step in units of a real one."""
-        gains = self.predictor.first_order_gains([p.grad for p in self.params])
-        if gains is None or not all(math.isfinite(g) for g in gains):
+        """Worth of a predicted step in units of a real one: the EMA of its first-order loss
+        decrease on fresh gradients, divided by the measured loss decrease per real step (the
+        slope of recent real-step losses). Why not the real update's own first-order gain: on
+        the char-LM it is negative on average after ~100 steps (repeating an Adam step from where
+        it landed climbs back up the valley it crossed) although the loss keeps falling
+        (``python -m bench.predictors``)."""
+        gain = self.predictor.predicted_gain([p.grad for p in self.params])
+        slope = self.loss_trend.slope()
+        if gain is None or not math.isfinite(gain) or slope is None:
             return
-        beta = WORTH_BETA if self._worth_gains is not None else 0.0
-        old = self._worth_gains or (0.0, 0.0)
-        self._worth_gains = tuple(beta * o + (1 - beta) * g for o, g in zip(old, gains))
-        predicted, real = self._worth_gains
-        self.predicted_worth = predicted / real if real > 0 else 0.0
+        self._predicted_gain = gain if self._predicted_gain is None else \
+            WORTH_BETA * self._predicted_gain + (1 - WORTH_BETA) * gain
+        self.predicted_worth = self._predicted_gain / -slope if slope < 0 else 0.0
 
     def _refuse_update(self, phase: Phase, loss: float, grad_norm: float | None, lr: float, report) -> StepResult:
         """A critical divergence: the update is not applied; weights go back to the last good
@@ -515,7 +522,7 @@ class HybridTrainer:
                 "forecast": self._forecast,
                 "last_update_cosine": self._last_update_cosine,
                 "predicted_worth": self.predicted_worth,
-                "worth_gains": self._worth_gains,
+                "predicted_gain": self._predicted_gain,
                 "predict_base_loss": self._predict_base_loss,
                 "last_verified_loss": self._last_verified_loss,
                 "last_verified_single_batch": self._last_verified_single_batch,
@@ -547,7 +554,7 @@ class HybridTrainer:
         self.step_count, self._forecast = t["step_count"], t["forecast"]
         self._last_update_cosine = t["last_update_cosine"]
         self.predicted_worth = t["predicted_worth"]
-        self._worth_gains = None if t["worth_gains"] is None else tuple(t["worth_gains"])
+        self._predicted_gain = t["predicted_gain"]
         self._predict_base_loss, self._last_verified_loss = t["predict_base_loss"], t["last_verified_loss"]
         self._last_verified_single_batch, self._unverified_steps = t["last_verified_single_batch"], t["unverified_steps"]
         checkpoint.restore_rng(state["rng"])

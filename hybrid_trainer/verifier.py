@@ -10,21 +10,35 @@ standard deviation of real-step losses around their trend.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 
 
 class LossTrend:
-    """EMA trend of real-step losses and the noise of single-batch losses around it."""
+    """EMA trend of real-step losses, the noise of single-batch losses around it, and the
+    least-squares slope of the last ``window`` losses (loss change per real step)."""
 
-    def __init__(self, beta: float = 0.9):
+    def __init__(self, beta: float = 0.9, window: int = 64):
         self.beta = beta
+        self.window = window
         self.mean: float | None = None
         self.noise_var = 0.0
         self.count = 0
+        self.recent: deque[float] = deque(maxlen=window)
+
+    def slope(self) -> float | None:
+        """Loss change per real step over the recent window (None with fewer than 8 losses)."""
+        n = len(self.recent)
+        if n < 8:
+            return None
+        mean_x, mean_y = (n - 1) / 2, sum(self.recent) / n
+        num = sum((i - mean_x) * (y - mean_y) for i, y in enumerate(self.recent))
+        return num / (n * (n * n - 1) / 12)
 
     def update(self, loss: float) -> None:
         if not math.isfinite(loss):
             return
+        self.recent.append(loss)
         if self.mean is None:
             self.mean = loss
         else:
@@ -39,11 +53,13 @@ class LossTrend:
         return math.sqrt(self.noise_var)
 
     def state_dict(self) -> dict:
-        return {"beta": self.beta, "mean": self.mean, "noise_var": self.noise_var, "count": self.count}
+        return {"beta": self.beta, "mean": self.mean, "noise_var": self.noise_var, "count": self.count,
+                "recent": list(self.recent)}
 
     def load_state_dict(self, state: dict) -> None:
         self.beta, self.mean = state["beta"], state["mean"]
         self.noise_var, self.count = state["noise_var"], state["count"]
+        self.recent = deque(state["recent"], maxlen=self.window)
 
 
 @dataclass
