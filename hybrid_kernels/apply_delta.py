@@ -22,18 +22,17 @@ interpreter rounds toward zero: one bf16 ulp from torch's round-to-nearest-even)
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
 
 from ._dispatch import choose_backend, record
+from ._multi_tensor import cached_layout
 from ._triton_compat import INTERPRET, tl, triton
 from .int8_quant import FLOAT_DTYPES, _dequantize_eager, group_size_for, scale_shape_for
 
 _BLOCK = 8192 if INTERPRET else 1024  # elements per inner step of one program
 _ITERS = 1 if INTERPRET else 8  # inner steps per program: chunk = _BLOCK * _ITERS elements
-_ALIGN = 16  # elements; offsets that are multiples of this let the GPU compiler vectorize
 
 _launches: dict[str, int] = {"apply_delta_": 0}
 
@@ -109,74 +108,23 @@ def _apply_delta_kernel(p_base, d_base, s_base, chunk_tensor_ptr, chunk_start_pt
 # --------------------------------------------------------------------------------------------
 # Launcher
 # --------------------------------------------------------------------------------------------
-class _GroupLayout:
-    """Device-side tables for one group of tensors (cached: the trainer reuses its buffers)."""
-
-    def __init__(self, ptrs: list[tuple[int, int, int]], numels: list[int], group_sizes: list[int],
-                 itemsizes: tuple[int, int, int], device: torch.device):
-        p0, d0, s0 = ptrs[0]
-        meta, chunk_tensor, chunk_start, chunk_slot = [], [], [], []
-        chunk = _BLOCK * _ITERS
-        counts = [-(-n // chunk) for n in numels]
-        self.max_chunks = max(counts)
-        aligned = True
-        for t, ((p, d, s), n, gs) in enumerate(zip(ptrs, numels, group_sizes)):
-            offsets = ((p - p0) // itemsizes[0], (d - d0) // itemsizes[1], (s - s0) // itemsizes[2])
-            aligned &= offsets[0] % _ALIGN == 0 and offsets[1] % _ALIGN == 0
-            meta.append((*offsets, n, gs))
-            for c in range(counts[t]):
-                chunk_tensor.append(t)
-                chunk_start.append(c * chunk)
-                chunk_slot.append(t * self.max_chunks + c)
-        self.aligned = aligned
-        self.n_tensors = len(numels)
-        self.n_chunks = len(chunk_tensor)
-        as_dev = lambda v: torch.tensor(v, dtype=torch.int64).to(device, non_blocking=True)  # noqa: E731
-        self.meta = as_dev(meta)
-        self.chunk_tensor = as_dev(chunk_tensor)
-        self.chunk_start = as_dev(chunk_start)
-        self.chunk_slot = as_dev(chunk_slot)
-
-
-_layout_cache: OrderedDict[tuple, _GroupLayout] = OrderedDict()
-_LAYOUT_CACHE_SIZE = 16
-
-
-def _layout_for(key: tuple, build) -> _GroupLayout:
-    layout = _layout_cache.get(key)
-    if layout is None:
-        layout = build()
-        _layout_cache[key] = layout
-        if len(_layout_cache) > _LAYOUT_CACHE_SIZE:
-            _layout_cache.popitem(last=False)
-    else:
-        _layout_cache.move_to_end(key)
-    return layout
-
-
 def _launch_group(params, deltas, scales, alphas: torch.Tensor, group_sizes, want_norms: bool):
     """One kernel launch for tensors sharing device and dtypes. Returns step norms or None."""
     device = params[0].device
     alphas = alphas.to(device, non_blocking=True)
     quantized = scales is not None
-    scale_list = scales if quantized else deltas  # unused pointer when not quantized
-    ptrs = [(p.data_ptr(), d.data_ptr(), s.data_ptr()) for p, d, s in zip(params, deltas, scale_list)]
-    numels = [p.numel() for p in params]
-    itemsizes = (params[0].element_size(), deltas[0].element_size(), scale_list[0].element_size())
-    key = (device, tuple(ptrs), tuple(numels), tuple(group_sizes), itemsizes, _BLOCK, _ITERS)
-    layout = _layout_for(key, lambda: _GroupLayout(ptrs, numels, group_sizes, itemsizes, device))
+    lists = [params, deltas, scales if quantized else deltas]  # the scale pointer is unused when not quantized
+    layout = cached_layout(lists, _BLOCK * _ITERS, extra=[group_sizes])
+    base_p, base_d, base_s = layout.bases(lists)
     partial = torch.empty(layout.n_chunks if want_norms else 1, dtype=torch.float32, device=device)
     _apply_delta_kernel[(layout.n_chunks,)](
-        params[0], deltas[0], scale_list[0], layout.chunk_tensor, layout.chunk_start, layout.meta,
+        base_p, base_d, base_s, layout.chunk_tensor, layout.chunk_start, layout.meta,
         alphas, partial, QUANTIZED=quantized, WRITE_NORMS=want_norms, ALIGNED=layout.aligned,
         BLOCK=_BLOCK, ITERS=_ITERS)
     _launches["apply_delta_"] += 1
     if not want_norms:
         return None
-    # Deterministic per-tensor sums (no atomics): scatter chunk partials into [T, max_chunks].
-    slots = torch.zeros(layout.n_tensors * layout.max_chunks, dtype=torch.float32, device=device)
-    slots[layout.chunk_slot] = partial
-    return slots.view(layout.n_tensors, layout.max_chunks).sum(dim=1).sqrt()
+    return layout.per_tensor_sum(partial).sqrt()
 
 
 def _offset_ok(t: torch.Tensor, base: torch.Tensor) -> bool:

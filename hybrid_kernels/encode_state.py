@@ -69,13 +69,13 @@ compiled caller gets a clean graph break instead of tracing kernel launches.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from ._dispatch import choose_backend, record
+from ._multi_tensor import cached_layout
 from ._triton_compat import INTERPRET, tl, triton
 
 NUM_FEATURES = 64
@@ -179,7 +179,6 @@ MOMENT_STAT_NAMES = ("moment_source", "m_abs_mean", "m_abs_std", "v_mean", "v_st
 # Multi-tensor reduction: a program reduces BLOCK * ITERS elements of one tensor.
 _MOMENT_BLOCK = 8192 if INTERPRET else 1024
 _MOMENT_ITERS = 1 if INTERPRET else 8
-_ALIGN = 16
 _N_PARTIALS = 5  # count, Σ|m|, Σm², Σ|v|, Σv²
 
 _launches: dict[str, int] = {"window": 0, "moments": 0}
@@ -642,61 +641,16 @@ def _encode_window_triton(history: StateHistory, moments: torch.Tensor) -> torch
     return out
 
 
-class _MomentLayout:
-    """Device-side tables for one group of moment tensors (cached by addresses and sizes)."""
-
-    def __init__(self, m_ptrs: list[int], v_ptrs: list[int], numels: list[int], itemsizes: tuple[int, int],
-                 device: torch.device):
-        m0, v0 = min(m_ptrs), min(v_ptrs)  # lowest address: every offset is >= 0
-        self.m_base_index = m_ptrs.index(m0)
-        self.v_base_index = v_ptrs.index(v0)
-        chunk = _MOMENT_BLOCK * _MOMENT_ITERS
-        meta, chunk_tensor, chunk_start = [], [], []
-        aligned = True
-        for t, (mp, vp, n) in enumerate(zip(m_ptrs, v_ptrs, numels)):
-            m_off, v_off = (mp - m0) // itemsizes[0], (vp - v0) // itemsizes[1]
-            aligned &= m_off % _ALIGN == 0 and v_off % _ALIGN == 0
-            meta.append((m_off, v_off, n))
-            for c in range(-(-n // chunk)):
-                chunk_tensor.append(t)
-                chunk_start.append(c * chunk)
-        self.aligned = aligned
-        self.n_chunks = len(chunk_tensor)
-        as_dev = lambda v: torch.tensor(v, dtype=torch.int64).to(device, non_blocking=True)  # noqa: E731
-        self.meta = as_dev(meta)
-        self.chunk_tensor = as_dev(chunk_tensor)
-        self.chunk_start = as_dev(chunk_start)
-
-
-_layout_cache: OrderedDict[tuple, _MomentLayout] = OrderedDict()
-_LAYOUT_CACHE_SIZE = 16
-
-
-def _moment_layout(key: tuple, build) -> _MomentLayout:
-    layout = _layout_cache.get(key)
-    if layout is None:
-        layout = _layout_cache[key] = build()
-        if len(_layout_cache) > _LAYOUT_CACHE_SIZE:
-            _layout_cache.popitem(last=False)
-    else:
-        _layout_cache.move_to_end(key)
-    return layout
-
-
 def _moment_sums_triton_group(ms: list[torch.Tensor], vs: list[torch.Tensor] | None) -> torch.Tensor:
     """One launch for tensors sharing device and dtypes: float64 [5] sums on their device."""
     device = ms[0].device
     has_v = vs is not None
-    v_list = vs if has_v else ms  # unused pointer when there is no second moment
-    m_ptrs = [m.data_ptr() for m in ms]
-    v_ptrs = [v.data_ptr() for v in v_list]
-    numels = [m.numel() for m in ms]
-    itemsizes = (ms[0].element_size(), v_list[0].element_size())
-    key = (device, tuple(m_ptrs), tuple(v_ptrs), tuple(numels), itemsizes, _MOMENT_BLOCK, _MOMENT_ITERS)
-    layout = _moment_layout(key, lambda: _MomentLayout(m_ptrs, v_ptrs, numels, itemsizes, device))
+    lists = [ms, vs if has_v else ms]  # the second pointer is unused when there is no second moment
+    layout = cached_layout(lists, _MOMENT_BLOCK * _MOMENT_ITERS)
+    base_m, base_v = layout.bases(lists)
     partial = torch.empty((layout.n_chunks, _N_PARTIALS), dtype=torch.float32, device=device)
     _moment_partials_kernel[(layout.n_chunks,)](
-        ms[layout.m_base_index], v_list[layout.v_base_index], layout.chunk_tensor, layout.chunk_start,
+        base_m, base_v, layout.chunk_tensor, layout.chunk_start,
         layout.meta, partial, HAS_V=has_v, ALIGNED=layout.aligned, BLOCK=_MOMENT_BLOCK, ITERS=_MOMENT_ITERS)
     _launches["moments"] += 1
     return partial.sum(dim=0, dtype=torch.float64)

@@ -82,6 +82,26 @@ _SDPA_HAS_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >=
 # out of the softmax; programs never store outside the tensors.
 # --------------------------------------------------------------------------------------------
 @triton.jit
+def _load_key_block(k_base, v_base, cols, dims, stride_kn, stride_vn, seq_k,
+                    MASKED: tl.constexpr, UPCAST: tl.constexpr):
+    """Keys and values of one key block ``[BLOCK_N, HEAD_DIM]``; rows past ``seq_k`` read as 0
+    when MASKED (unmasked callers guarantee the block is in range)."""
+    k_ptrs = k_base + cols[:, None] * stride_kn + dims[None, :]
+    v_ptrs = v_base + cols[:, None] * stride_vn + dims[None, :]
+    if MASKED:
+        in_range = (cols < seq_k)[:, None]
+        k = tl.load(k_ptrs, mask=in_range, other=0.0)
+        v = tl.load(v_ptrs, mask=in_range, other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    if UPCAST:  # the interpreter computes bf16 on raw bits: upcast right after the load
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
 def _fwd_key_blocks(acc, row_max, row_sum, q, k_base, v_base, stride_kn, stride_vn,
                     rows, key_start, key_end, seq_k, qk_scale_log2,
                     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
@@ -93,16 +113,8 @@ def _fwd_key_blocks(acc, row_max, row_sum, q, k_base, v_base, stride_kn, stride_
     dims = tl.arange(0, HEAD_DIM)
     for key_block_start in range(key_start, key_end, BLOCK_N):
         cols = key_block_start + tl.arange(0, BLOCK_N)
-        if MASKED:
-            col_in_range = cols < seq_k
-            k = tl.load(k_base + cols[:, None] * stride_kn + dims[None, :], mask=col_in_range[:, None], other=0.0)
-            v = tl.load(v_base + cols[:, None] * stride_vn + dims[None, :], mask=col_in_range[:, None], other=0.0)
-        else:
-            k = tl.load(k_base + cols[:, None] * stride_kn + dims[None, :])
-            v = tl.load(v_base + cols[:, None] * stride_vn + dims[None, :])
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _load_key_block(k_base, v_base, cols, dims, stride_kn, stride_vn, seq_k, MASKED, UPCAST)
+        col_in_range = cols < seq_k
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # raw q.k, [BLOCK_M, BLOCK_N]
         if MASKED:
             visible = col_in_range[None, :]
@@ -371,16 +383,8 @@ def _bwd_dq_key_blocks(dq, q, dout, row_max, inv_sum, delta, k_base, v_base, str
     dims = tl.arange(0, HEAD_DIM)
     for key_block_start in range(key_start, key_end, BLOCK_N):
         cols = key_block_start + tl.arange(0, BLOCK_N)
-        if MASKED:
-            col_in_range = cols < seq_k
-            k = tl.load(k_base + cols[:, None] * stride_kn + dims[None, :], mask=col_in_range[:, None], other=0.0)
-            v = tl.load(v_base + cols[:, None] * stride_vn + dims[None, :], mask=col_in_range[:, None], other=0.0)
-        else:
-            k = tl.load(k_base + cols[:, None] * stride_kn + dims[None, :])
-            v = tl.load(v_base + cols[:, None] * stride_vn + dims[None, :])
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _load_key_block(k_base, v_base, cols, dims, stride_kn, stride_vn, seq_k, MASKED, UPCAST)
+        col_in_range = cols < seq_k
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         probs = tl.exp2((scores - row_max[:, None]) * qk_scale_log2) * inv_sum[:, None]
         if MASKED:
