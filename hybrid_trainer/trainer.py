@@ -169,11 +169,19 @@ class HybridTrainer:
         accumulation is configured). Returns a :class:`StepResult`."""
         started = time.perf_counter()
         phase = self.controller.phase
-        if phase is Phase.PREDICT:
-            result = self._predict_step(batch)
-        else:
-            self._state_home()
-            result = self._real_step(batch, phase)
+        try:
+            if phase is Phase.PREDICT:
+                result = self._predict_step(batch)
+            else:
+                self._state_home()
+                result = self._real_step(batch, phase)
+        except BaseException:
+            # An error or interrupt mid-PREDICT must not leave unverified predicted deltas in the
+            # weights the user goes on to save: go back to the last verified point first.
+            if phase is Phase.PREDICT and self._unverified_steps and self.anchor.is_set:
+                self.anchor.restore()
+                self._unverified_steps = 0
+            raise
         result.wall_time_s = time.perf_counter() - started
         self.stats.steps_by_phase[phase.value] += 1
         self.stats.time_by_phase_s[phase.value] += result.wall_time_s

@@ -386,3 +386,17 @@ def test_linear_direction_is_the_least_squares_slope_of_recorded_updates():
     assert float((flat - expected).abs().max()) <= bound * 1.001
     assert float((flat - expected).abs().max()) < 0.05 * float(expected.abs().max())
     assert predictor._history[0][0].dtype == torch.int8  # kept compact
+
+
+def test_an_error_mid_predict_leaves_only_verified_weights(stream):
+    trainer = make_trainer(confidence_threshold=0.0, predict_lengths=(8,), verify_every=8)
+    i = run_until_phase(trainer, stream, Phase.PREDICT)
+    verified = [p.detach().clone() for p in trainer.params]
+    trainer.step(stream[i])  # one unverified predicted step
+    assert any(not torch.equal(p, v) for p, v in zip(trainer.params, verified))
+
+    trainer.predictor.apply_predicted_step = lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        trainer.step(stream[i + 1])
+    for p, v in zip(trainer.params, verified):
+        assert torch.equal(p.detach(), v)
