@@ -86,8 +86,12 @@ class PhaseController:
         self.bandit_arm = self.bandit_context = None
 
     # -- the step clock ----------------------------------------------------------------------
-    def advance(self, confidence: Callable[[int], float]) -> None:
-        """Count one finished step; at the end of a phase choose the next one."""
+    def advance(self, confidence: Callable[[int], float], worth_ok: bool = True) -> None:
+        """Count one finished step; at the end of a phase choose the next one.
+
+        ``worth_ok``: the measured worth of a predicted step passes the trainer's gate. Only
+        decisions declined for that reason count towards switching prediction off; a dynamics
+        model that is not confident yet delays prediction without ending it."""
         self.phase_step += 1
         if self.phase_step < self.length:
             return
@@ -107,19 +111,20 @@ class PhaseController:
         if self.phase is Phase.WARMUP:
             self._enter(Phase.FULL, cfg.full_steps)
             return
-        length = self._choose_length(confidence) if self.prediction_enabled else None
+        length = self._choose_length(confidence) if self.prediction_enabled and worth_ok else None
         if length is None:
-            if self.prediction_enabled:
+            if self.prediction_enabled and not worth_ok:
                 self.consecutive_declines += 1
                 if self.consecutive_declines >= cfg.max_consecutive_declines:
-                    self.disabled_reason = (f"{self.consecutive_declines} phase decisions in a row found prediction "
-                                            "not worth it (worth or confidence below threshold); prediction is off "
-                                            "for the rest of the run")
+                    self.disabled_reason = (f"{self.consecutive_declines} phase decisions in a row found a predicted "
+                                            "step worth less than min_predicted_worth; prediction is off for the "
+                                            "rest of the run")
             self.cycles = 0
             self._enter(Phase.FULL, cfg.full_steps * self.backoff)
         else:
-            self.consecutive_declines = 0
             self._enter(Phase.PREDICT, length)
+        if worth_ok:
+            self.consecutive_declines = 0
 
     def _choose_length(self, confidence: Callable[[int], float]) -> int | None:
         cfg = self.config

@@ -187,7 +187,7 @@ class HybridTrainer:
         self.stats.time_by_phase_s[phase.value] += result.wall_time_s
         self.step_count += 1
         if not (phase is Phase.PREDICT and result.rolled_back):
-            self.controller.advance(self._confidence)
+            self.controller.advance(self._confidence, worth_ok=self._worth_passes())
         if phase is Phase.PREDICT and self.controller.phase is not Phase.PREDICT and self.offloader is not None:
             self.offloader.prefetch()  # overlaps the copy back with whatever the caller does next
         if self.profiler is not None:
@@ -362,8 +362,11 @@ class HybridTrainer:
         h.acceptance_rate = self.controller.acceptance_estimate()
         errors = self.dynamics.error_report()
         h.prediction_error = errors.get(1, 0.0) / max(self.loss_trend.noise_std, 1e-12) if errors else 0.0
-        if not self.controller.prediction_enabled:
-            return  # nothing will be predicted: spare the encoder and the dynamics model
+        if not (self.controller.prediction_enabled and self._worth_passes()):
+            # The encoder and the dynamics model decide when and how long to predict, which is
+            # moot while a predicted step is not worth it: they cost ~a real step's time per
+            # step on small models (measured on fashion), so they wait for the gate.
+            return
         features = hk.encode_state(h, optimizer_state=self.optimizer)
         self.normalizer.update(features)
         self.dynamics.observe(self.normalizer.normalize(features), loss)
@@ -372,12 +375,13 @@ class HybridTrainer:
             self._forecast = self.dynamics.forecast()
 
     # ------------------------------------------------------------------- predicted steps ----
+    def _worth_passes(self) -> bool:
+        return self.predicted_worth is not None and self.predicted_worth >= self.config.min_predicted_worth
+
     def _confidence(self, horizon: int) -> float:
         """Confidence that a predict phase of ``horizon`` steps is accepted: geometric mean of the
         measured acceptance estimate and the dynamics model's confidence at that horizon."""
-        if self.predictor.n_scale_fits == 0 or not self.loss_trend.count:
-            return 0.0
-        if self.predicted_worth is None or self.predicted_worth < self.config.min_predicted_worth:
+        if self.predictor.n_scale_fits == 0 or not self.loss_trend.count or not self._worth_passes():
             return 0.0
         model_conf = self.dynamics.confidence(self._forecast, horizon, self.loss_trend.noise_std)
         return math.sqrt(self.controller.acceptance_estimate() * model_conf)

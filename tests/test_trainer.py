@@ -13,6 +13,8 @@ from _digits import batches, cross_entropy, digits_tensors, mlp
 # Small dynamics model and short phases keep the suite fast; semantics are the same as the defaults.
 FAST = dict(warmup_steps=8, full_steps=8, correct_steps=3, predict_lengths=(4,), verify_every=4,
             dynamics_hidden=32, dynamics_window=4, dynamics_batch=8, dynamics_train_every=2)
+# Mechanism tests that need predicted steps whatever they are worth on this small task.
+ALWAYS = dict(confidence_threshold=0.0, min_predicted_worth=-1.0)
 
 
 @pytest.fixture(autouse=True)
@@ -46,7 +48,7 @@ def run_until_phase(trainer, stream, phase, start=0):
 
 
 def test_predicted_step_changes_weights_by_exactly_the_delta_in_place(stream):
-    trainer = make_trainer(confidence_threshold=0.0)
+    trainer = make_trainer(**ALWAYS)
     i = run_until_phase(trainer, stream, Phase.PREDICT)
     ptrs = [p.data_ptr() for p in trainer.params]
     before = [p.detach().clone() for p in trainer.params]
@@ -63,7 +65,7 @@ def test_predicted_step_changes_weights_by_exactly_the_delta_in_place(stream):
 
 
 def test_no_parameter_is_reallocated_over_a_run(stream):
-    trainer = make_trainer(confidence_threshold=0.0)
+    trainer = make_trainer(**ALWAYS)
     ptrs = [p.data_ptr() for p in trainer.model.parameters()]
     phases = set()
     for batch in stream[:80]:
@@ -73,7 +75,7 @@ def test_no_parameter_is_reallocated_over_a_run(stream):
 
 
 def test_rejected_verification_rolls_back_bit_exactly(stream):
-    trainer = make_trainer(confidence_threshold=0.0, loss_tolerance=0.0, noise_z=0.0)
+    trainer = make_trainer(**ALWAYS, loss_tolerance=0.0, noise_z=0.0)
     i = run_until_phase(trainer, stream, Phase.PREDICT)
     at_phase_start = [p.detach().clone() for p in trainer.params]
     trainer.predictor.scales.fill_(50.0)  # a huge predicted step: the loss must go up
@@ -86,7 +88,7 @@ def test_rejected_verification_rolls_back_bit_exactly(stream):
 
 
 def test_correct_phase_runs_backward_and_the_optimizer(stream):
-    trainer = make_trainer(confidence_threshold=0.0)
+    trainer = make_trainer(**ALWAYS)
     i = run_until_phase(trainer, stream, Phase.CORRECT)
     backward_before, opt_before = trainer.stats.backward_passes, trainer.stats.optimizer_steps
     before = [p.detach().clone() for p in trainer.params]
@@ -140,15 +142,15 @@ def test_nan_gradient_never_reaches_the_weights(stream):
 
 def test_resume_reproduces_the_uninterrupted_run_bit_exactly(stream, tmp_path):
     steps, cut = 70, 37
-    reference = make_trainer(confidence_threshold=0.0)
+    reference = make_trainer(**ALWAYS)
     ref_results = [reference.step(b) for b in stream[:steps]]
     assert any(r.phase == "PREDICT" for r in ref_results[cut:]), "the resumed part must include predicted steps"
 
-    first = make_trainer(confidence_threshold=0.0)
+    first = make_trainer(**ALWAYS)
     for b in stream[:cut]:
         first.step(b)
     first.save(tmp_path / "ckpt.pt")
-    resumed = make_trainer(seed=123, confidence_threshold=0.0)  # different init: everything must come from the file
+    resumed = make_trainer(seed=123, **ALWAYS)  # different init: everything must come from the file
     resumed.load(tmp_path / "ckpt.pt")
     resumed_results = [resumed.step(b) for b in stream[cut:steps]]
 
@@ -170,7 +172,7 @@ def test_sgd_optimizer_scheduler_and_clipping(stream):
     model = mlp(0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5)
-    trainer = HybridTrainer(model, optimizer, cross_entropy, HybridConfig(**{**FAST, "confidence_threshold": 0.0,
+    trainer = HybridTrainer(model, optimizer, cross_entropy, HybridConfig(**{**FAST, **ALWAYS,
                                                                              "grad_clip": 0.5}), scheduler)
     results = [trainer.step(b) for b in stream[:60]]
     real = sum(r.backward_done for r in results)
@@ -196,7 +198,7 @@ def test_bfloat16_autocast_on_cpu(stream):
 
 def test_metrics_jsonl_and_summary(stream, tmp_path):
     path = tmp_path / "metrics.jsonl"
-    trainer = make_trainer(confidence_threshold=0.0, metrics_path=str(path))
+    trainer = make_trainer(**ALWAYS, metrics_path=str(path))
     for b in stream[:40]:
         trainer.step(b)
     trainer.metrics.close()
@@ -215,7 +217,7 @@ def test_metrics_jsonl_and_summary(stream, tmp_path):
 def test_triton_kernels_serve_the_trainer_under_the_interpreter(stream, monkeypatch):
     monkeypatch.delenv("HYBRID_KERNELS_BACKEND")
     hk.reset_backend_counts()
-    trainer = make_trainer(confidence_threshold=0.0)
+    trainer = make_trainer(**ALWAYS)
     for b in stream[:30]:
         trainer.step(b)
     used = {op for (op, backend) in hk.backend_counts() if backend == "triton"}
@@ -264,7 +266,7 @@ def test_bad_constructor_arguments():
 
 
 def test_bandit_over_predict_lengths_runs(stream):
-    trainer = make_trainer(confidence_threshold=0.0, use_bandit=True, predict_lengths=(2, 4))
+    trainer = make_trainer(**ALWAYS, use_bandit=True, predict_lengths=(2, 4))
     for b in stream[:80]:
         trainer.step(b)
     assert trainer.stats.predict_phases > 0
@@ -317,8 +319,8 @@ def test_memory_profiler_and_vram_guard_emergency_checkpoint(stream, tmp_path):
 
 
 def test_gradient_checkpointing_gives_the_same_run(stream):
-    plain = make_trainer(confidence_threshold=0.0)
-    checkpointed = make_trainer(confidence_threshold=0.0, checkpoint_modules=["0", "2"])
+    plain = make_trainer(**ALWAYS)
+    checkpointed = make_trainer(**ALWAYS, checkpoint_modules=["0", "2"])
     assert checkpointed.grad_checkpointing.wrapped == ["0", "2"]
     for b in stream[:40]:
         plain.step(b)
@@ -332,8 +334,8 @@ def test_gradient_checkpointing_gives_the_same_run(stream):
 
 
 def test_offload_while_predicting_leaves_the_run_unchanged(stream):
-    plain = make_trainer(confidence_threshold=0.0)
-    offloading = make_trainer(confidence_threshold=0.0, offload_while_predicting=True)
+    plain = make_trainer(**ALWAYS)
+    offloading = make_trainer(**ALWAYS, offload_while_predicting=True)
     for b in stream[:50]:
         plain.step(b)
         offloading.step(b)
@@ -389,7 +391,7 @@ def test_linear_direction_is_the_least_squares_slope_of_recorded_updates():
 
 
 def test_an_error_mid_predict_leaves_only_verified_weights(stream):
-    trainer = make_trainer(confidence_threshold=0.0, predict_lengths=(8,), verify_every=8)
+    trainer = make_trainer(**ALWAYS, predict_lengths=(8,), verify_every=8)
     i = run_until_phase(trainer, stream, Phase.PREDICT)
     verified = [p.detach().clone() for p in trainer.params]
     trainer.step(stream[i])  # one unverified predicted step
