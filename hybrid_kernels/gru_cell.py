@@ -163,7 +163,7 @@ def _gates_forward_triton(gi: torch.Tensor, gh: torch.Tensor, h: torch.Tensor,
     if h.numel():
         block_rows, block_h = _tile_shape(n_rows, hidden)
         grid = (triton.cdiv(n_rows, block_rows), triton.cdiv(hidden, block_h))
-        # Without a workspace the kernel never touches ws_ptr; h_new is passed as a placeholder.
+        # Without a workspace the kernel never touches ws_ptr; h_new is passed only to fill the argument.
         _gru_forward_kernel[grid](gi, gh, h, h_new, ws if save_workspace else h_new, n_rows, hidden,
                                   SAVE_WORKSPACE=save_workspace, BLOCK_ROWS=block_rows,
                                   BLOCK_H=block_h)

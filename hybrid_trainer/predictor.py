@@ -182,13 +182,6 @@ class DeltaPredictor:
         hk.apply_delta_(self.params, direction[1], self.scales * multiplier, out_norms=norms)
         return norms
 
-    def predicted_step_norm(self) -> float:
-        direction = self.current_direction(refresh=False)
-        if direction is None:
-            return 0.0
-        norms = torch.stack([d.norm() for d in direction[1]])
-        return float((norms * self.scales).norm())
-
     # -- checkpoint ------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {
