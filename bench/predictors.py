@@ -17,8 +17,10 @@ keeps falling. The run reports that fraction too.)
 worth = 1: a predicted step is as good as a real one; 0: useless; < 0: harmful. A predicted step
 costs about (verification forward / verify_every + one in-place add) of a real step's time, so
 it can only pay where worth exceeds that cost. Candidates: EMA of updates (β 0.9/0.98/0.99) with
-the trainer's least-squares scale, the raw EMA vector (scale 1), the last update repeated, and
-the least-squares slope of the weight trajectory over the last 4 updates.
+the trainer's least-squares scale, the raw EMA vector (scale 1), the last update repeated, the
+least-squares slope of the weight trajectory over the last 4 updates, and the drift of the
+smoothed trajectory, (EMA_0.9(θ) − EMA_0.98(θ)) / (49 − 9), which leaves the current iterate's
+oscillation out.
 
 Writes ``<out>/predictors_<task>.json`` and ``.png`` (worth over training).
 """
@@ -35,6 +37,7 @@ import torch
 from .tasks import get_task
 
 EMA_BETAS = (0.9, 0.98, 0.99)
+WEIGHT_AVG_BETAS = (0.9, 0.98)  # drift = (fast average − slow average) / (lag_slow − lag_fast)
 SLOPE_K = 4
 
 
@@ -61,6 +64,7 @@ def measure(task_name: str, steps: int, lr: float | None, seed: int = 0, windows
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     stream = task.batches(seed)
     emas = {b: None for b in EMA_BETAS}
+    weight_avgs = {b: None for b in WEIGHT_AVG_BETAS}  # EMAs of the weights themselves
     recent: list[torch.Tensor] = []
     pending: dict[str, torch.Tensor] | None = None  # predicted steps made after the last update
     last_update = None
@@ -90,6 +94,18 @@ def measure(task_name: str, steps: int, lr: float | None, seed: int = 0, windows
                 if beta == 0.98:
                     candidates["EMA β=0.98 raw"] = prev.clone()
             emas[beta] = update.clone() if prev is None else prev.mul(beta).add_(update, alpha=1 - beta)
+        theta = _flat_params(model)
+        for beta in WEIGHT_AVG_BETAS:
+            prev = weight_avgs[beta]
+            weight_avgs[beta] = theta.clone() if prev is None else prev.mul_(beta).add_(theta, alpha=1 - beta)
+        if step >= 10:
+            fast, slow = WEIGHT_AVG_BETAS
+            lag = lambda b: b / (1 - b)  # noqa: E731
+            drift = (weight_avgs[fast] - weight_avgs[slow]) / (lag(slow) - lag(fast))
+            dd = float(drift @ drift)
+            scale = max(0.0, float(update @ drift) / dd) if dd > 0 else 0.0
+            candidates["drift of weight averages × LS scale"] = drift * scale
+            candidates["drift of weight averages raw"] = drift
         candidates["last update"] = update.clone()
         recent = (recent + [update])[-SLOPE_K:]
         if len(recent) == SLOPE_K:
