@@ -31,7 +31,6 @@ class UpdateStats:
 
     update_norm: float  # ||u||_2 over all parameters
     cosine: float  # cos(u, d) of the whole update against the direction before it was added
-    fitted_scale: float  # global <u, d> / <d, d>
 
 
 class DeltaPredictor:
@@ -93,7 +92,7 @@ class DeltaPredictor:
         update = self._before_flat.neg_()  # now u = θ_after − θ_before
         update_views = self._before
 
-        stats = UpdateStats(update_norm=float(update.norm()), cosine=float("nan"), fitted_scale=float("nan"))
+        stats = UpdateStats(update_norm=float(update.norm()), cosine=float("nan"))
         direction = self.current_direction(refresh=False)
         if self.n_updates > 0 and direction is not None:
             stats = self._fit_scales(update, update_views, direction, stats)
@@ -138,7 +137,7 @@ class DeltaPredictor:
         ud, dd = float(dots_ud.sum()), float(dots_dd.sum())
         norm_u = stats.update_norm
         cosine = ud / (math.sqrt(dd) * norm_u) if dd > 0 and norm_u > 0 else 0.0
-        return UpdateStats(update_norm=norm_u, cosine=cosine, fitted_scale=ud / dd if dd > 0 else 0.0)
+        return UpdateStats(update_norm=norm_u, cosine=cosine)
 
     # -- the direction ---------------------------------------------------------------------
     def linear_weights(self, k: int) -> list[float]:

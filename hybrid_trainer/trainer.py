@@ -358,15 +358,15 @@ class HybridTrainer:
             h.push_grad_norm(grad_norm)
         if update_norm is not None:
             h.push_update_norm(update_norm)
+        if not (self.controller.prediction_enabled and self._worth_passes()):
+            # The encoder and the dynamics model decide when and how long to predict, which is
+            # moot while a predicted step is not worth it; on small models they cost as much as
+            # the step itself, so they wait for the gate (the rings above keep filling).
+            return
         h.lr, h.step, h.phase, h.phase_step = lr, self.step_count, phase.code, self.controller.phase_step
         h.acceptance_rate = self.controller.acceptance_estimate()
         errors = self.dynamics.error_report()
         h.prediction_error = errors.get(1, 0.0) / max(self.loss_trend.noise_std, 1e-12) if errors else 0.0
-        if not (self.controller.prediction_enabled and self._worth_passes()):
-            # The encoder and the dynamics model decide when and how long to predict, which is
-            # moot while a predicted step is not worth it: they cost ~a real step's time per
-            # step on small models (measured on fashion), so they wait for the gate.
-            return
         features = hk.encode_state(h, optimizer_state=self.optimizer)
         self.normalizer.update(features)
         self.dynamics.observe(self.normalizer.normalize(features), loss)
