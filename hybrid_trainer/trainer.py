@@ -285,7 +285,7 @@ class HybridTrainer:
         if report.critical:
             return self._refuse_update(phase, total, grad_norm, lr, report)
 
-        record = self.controller.prediction_enabled
+        record = self.controller.prediction_enabled and phase is not Phase.WARMUP
         if record:
             self._measure_worth()
             self.predictor.begin_step()
@@ -358,7 +358,7 @@ class HybridTrainer:
             h.push_grad_norm(grad_norm)
         if update_norm is not None:
             h.push_update_norm(update_norm)
-        if not (self.controller.prediction_enabled and self._worth_passes()):
+        if phase is Phase.WARMUP or not (self.controller.prediction_enabled and self._worth_passes()):
             # The encoder and the dynamics model decide when and how long to predict, which is
             # moot while a predicted step is not worth it; on small models they cost as much as
             # the step itself, so they wait for the gate (the rings above keep filling).

@@ -402,3 +402,15 @@ def test_an_error_mid_predict_leaves_only_verified_weights(stream):
         trainer.step(stream[i + 1])
     for p, v in zip(trainer.params, verified):
         assert torch.equal(p.detach(), v)
+
+
+def test_warmup_steps_record_nothing_for_prediction(stream):
+    """WARMUP is plain training: no update recorded, no worth measured, no dynamics observation."""
+    trainer = make_trainer(**{**ALWAYS, "warmup_steps": 12})
+    for i in range(12):
+        assert trainer.controller.phase is Phase.WARMUP
+        trainer.step(stream[i])
+    assert trainer.predictor.n_updates == 0 and trainer.predicted_worth is None and trainer.dynamics.count == 0
+    assert trainer.stats.optimizer_steps == 12
+    trainer.step(stream[12])  # first FULL step records
+    assert trainer.predictor.n_updates == 1
