@@ -1,0 +1,164 @@
+"""Weight nowcasting: predict where each weight will be ``h`` snapshots from now.
+
+Every ``every`` real steps a :class:`SnapshotHistory` keeps a flat fp32 copy of the weights; the
+last ``context + 1`` copies give, per weight element, its ``context`` most recent displacements
+``d_1 (newest) … d_k``. A :class:`Nowcaster` maps them, normalised by the element's own recent
+step size ``s = mean_j |d_j|``, to the element's displacement over the next ``h`` snapshot
+intervals (in units of ``s``). It runs element-wise, so one small model serves any architecture;
+it is trained on trajectories recorded from *other* tasks (``python -m bench.nowcast train``,
+weights in ``docs/results/nowcaster.pt``). Measured not to pay (docs/results/nowcast_*.json), so
+it lives with the benchmark as evidence, not in the trainer.
+
+Two rule-based nowcasts share the interface, so the benchmark compares like with like:
+``"drift"`` (the mean displacement continued for ``h`` intervals) and ``"learned"``.
+
+Features per element (all dimensionless): ``d_j / s`` for j = 1..k, and
+``log(s / S)`` where ``S`` is the mean of ``s`` over the element's tensor, which tells a weight
+that moves much less than its neighbours (nearly converged) from one that leads.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ASSET = Path(__file__).resolve().parent.parent / "docs" / "results" / "nowcaster.pt"
+_CHUNK = 1 << 18  # elements per MLP evaluation: bounds the temporary activations
+_TINY = 1e-12
+
+
+class SnapshotHistory:
+    """The last ``context + 1`` snapshots of ``params`` (flat fp32), one every ``every`` real steps.
+
+    Args:
+        params: parameters (any float dtype), all on one device.
+        context: displacements the nowcaster sees (snapshots kept = context + 1).
+        every: real steps between snapshots.
+    """
+
+    def __init__(self, params: list[torch.Tensor], context: int, every: int):
+        if context < 1 or every < 1:
+            raise ValueError(f"context and every must be >= 1, got context={context}, every={every}")
+        self.params, self.context, self.every = params, context, every
+        self.sizes = [p.numel() for p in params]
+        total = sum(self.sizes)
+        self._ring = torch.zeros(context + 1, total, dtype=torch.float32, device=params[0].device)
+        self.count = 0  # snapshots taken since the last reset
+        self.steps_since = 0  # real steps since the last snapshot
+
+    @property
+    def ready(self) -> bool:
+        return self.count >= self.context + 1
+
+    @torch.no_grad()
+    def _take(self) -> None:
+        row = self._ring[self.count % (self.context + 1)]
+        torch.cat([p.detach().reshape(-1).float() for p in self.params], out=row)
+        self.count += 1
+        self.steps_since = 0
+
+    def reset(self) -> None:
+        """Forget the trajectory (after a jump) and start it again from the current weights."""
+        self.count = 0
+        self._take()
+
+    def observe_real_step(self) -> None:
+        """Call after every real optimizer step."""
+        if self.count == 0:
+            self._take()
+            return
+        self.steps_since += 1
+        if self.steps_since >= self.every:
+            self._take()
+
+    def displacements(self) -> torch.Tensor:
+        """[context, N] fp32, newest first: d_j = θ(t−j+1) − θ(t−j) in snapshot intervals."""
+        if not self.ready:
+            raise RuntimeError(f"{self.count} snapshots taken, {self.context + 1} needed")
+        n = self.context + 1
+        order = [(self.count - 1 - j) % n for j in range(n)]  # newest first
+        snaps = self._ring[order]
+        return snaps[:-1] - snaps[1:]
+
+    def state_dict(self) -> dict:
+        return {"ring": self._ring.clone(), "count": self.count, "steps_since": self.steps_since}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._ring.copy_(state["ring"])
+        self.count, self.steps_since = int(state["count"]), int(state["steps_since"])
+
+
+def element_features(disp: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Features of every element from its displacements.
+
+    Args:
+        disp: [k, N] fp32 displacements, newest first.
+        sizes: element counts of the tensors that ``N`` concatenates (for the tensor-level scale).
+    Returns:
+        x: [N, k + 1] fp32 features; s: [N] fp32 step size of each element (parameter units).
+    """
+    s = disp.abs().mean(0)
+    tensor_scale = torch.cat([part.mean().expand(part.numel()) for part in s.split(sizes)])
+    s_safe = s.clamp_min(_TINY)
+    x = torch.cat([(disp / s_safe).t(), torch.log((s_safe / tensor_scale.clamp_min(_TINY)).clamp_min(1e-6))[:, None]],
+                  dim=1)
+    return x, s
+
+
+class Nowcaster(nn.Module):
+    """Element-wise MLP: features [N, k+1] → normalised displacement over each horizon [N, H].
+
+    The output is a linear map of the features plus an MLP correction, so the drift rule
+    (``h · mean_j d_j / s``) is one of the functions it can represent exactly.
+
+    Args:
+        context: k, displacements per element.
+        horizons: snapshot intervals predicted ahead (one output each).
+        hidden: MLP width.
+    """
+
+    def __init__(self, context: int = 4, horizons: tuple[int, ...] = (1, 2, 4), hidden: int = 32):
+        super().__init__()
+        self.context, self.horizons = context, tuple(horizons)
+        n_in, n_out = context + 1, len(self.horizons)
+        self.linear = nn.Linear(n_in, n_out)
+        self.mlp = nn.Sequential(nn.Linear(n_in, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(),
+                                 nn.Linear(hidden, n_out))
+        nn.init.zeros_(self.mlp[-1].weight)
+        nn.init.zeros_(self.mlp[-1].bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) + self.mlp(x)
+
+    @torch.no_grad()
+    def predict(self, disp: torch.Tensor, sizes: list[int], horizon: int) -> torch.Tensor:
+        """Displacement [N] fp32 (parameter units) of every element ``horizon`` snapshots ahead."""
+        if horizon not in self.horizons:
+            raise ValueError(f"horizon must be one of {self.horizons}, got {horizon}")
+        if disp.shape[0] != self.context:
+            raise ValueError(f"disp: expected {self.context} displacements, got shape {tuple(disp.shape)}")
+        column = self.horizons.index(horizon)
+        x, s = element_features(disp, sizes)
+        out = torch.empty_like(s)
+        for start in range(0, len(s), _CHUNK):
+            part = slice(start, start + _CHUNK)
+            out[part] = self(x[part])[:, column]
+        return out.mul_(s)
+
+    def save(self, path: Path | str, meta: dict | None = None) -> None:
+        torch.save({"context": self.context, "horizons": list(self.horizons), "hidden": self.mlp[0].out_features,
+                    "state_dict": self.state_dict(), "meta": meta or {}}, path)
+
+    @classmethod
+    def load(cls, path: Path | str = ASSET, device: torch.device | str = "cpu") -> "Nowcaster":
+        blob = torch.load(path, map_location=device, weights_only=True)
+        model = cls(blob["context"], tuple(blob["horizons"]), blob["hidden"]).to(device)
+        model.load_state_dict(blob["state_dict"])
+        model.meta = blob.get("meta", {})
+        return model.eval()
+
+
+def drift_nowcast(disp: torch.Tensor, horizon: int) -> torch.Tensor:
+    """Rule-based nowcast: the mean displacement over the context, continued ``horizon`` intervals."""
+    return disp.mean(0).mul_(horizon)

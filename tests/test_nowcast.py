@@ -1,0 +1,87 @@
+"""Weight-nowcasting experiment (bench/nowcast.py, bench/nowcaster.py): the pieces whose errors
+would silently change what the benchmark reports."""
+import torch
+
+from bench import nowcast
+from bench.nowcaster import Nowcaster, SnapshotHistory, drift_nowcast, element_features
+from bench.tasks import get_task
+
+
+def linear_params(t: float, a: list[torch.Tensor], v: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [ai + t * vi for ai, vi in zip(a, v)]
+
+
+def test_snapshot_history_displacements_newest_first_and_reset():
+    a = [torch.randn(3, 4), torch.randn(5)]
+    v = [torch.randn(3, 4), torch.randn(5)]
+    params = [x.clone() for x in a]
+    history = SnapshotHistory(params, context=3, every=2)
+    quadratic = lambda t: [ai + t * vi + 0.1 * t * t * vi for ai, vi in zip(a, v)]  # noqa: E731
+    for step in range(0, 7):
+        for p, q in zip(params, quadratic(step)):
+            p.copy_(q)
+        history.observe_real_step()
+    assert history.ready and history.count == 4  # snapshots at steps 0, 2, 4, 6
+    disp = history.displacements()
+    flat = lambda ts: torch.cat([t.reshape(-1) for t in ts])  # noqa: E731
+    for j, (t_new, t_old) in enumerate([(6, 4), (4, 2), (2, 0)]):  # newest first
+        torch.testing.assert_close(disp[j], flat(quadratic(t_new)) - flat(quadratic(t_old)))
+    history.reset()
+    assert history.count == 1 and not history.ready
+
+
+def test_drift_rule_is_exact_on_a_straight_trajectory():
+    a, v = torch.randn(100), torch.randn(100)
+    snaps = torch.stack([a + t * v for t in range(5)])
+    disp = snaps[1:].flip(0) - snaps[:-1].flip(0)
+    torch.testing.assert_close(drift_nowcast(disp, 3), 3 * v)
+
+
+def test_features_reconstruct_the_displacements_and_the_model_can_be_the_drift_rule(tmp_path):
+    k, sizes = 4, [60, 40]
+    disp = torch.randn(k, sum(sizes))
+    x, s = element_features(disp, sizes)
+    assert x.shape == (100, k + 1) and s.shape == (100,)
+    torch.testing.assert_close(x[:, :k].t() * s, disp)
+    model = Nowcaster(k, horizons=(1, 2))
+    with torch.no_grad():  # output h: h · mean_j(d_j / s); the MLP correction starts at zero
+        model.linear.weight.zero_()
+        model.linear.bias.zero_()
+        model.linear.weight[0, :k] = 1 / k
+        model.linear.weight[1, :k] = 2 / k
+    torch.testing.assert_close(model.predict(disp, sizes, 2), drift_nowcast(disp, 2))
+    model.save(tmp_path / "n.pt", meta={"note": "test"})
+    loaded = Nowcaster.load(tmp_path / "n.pt")
+    torch.testing.assert_close(loaded.predict(disp, sizes, 1), model.predict(disp, sizes, 1))
+    assert loaded.meta == {"note": "test"}
+
+
+def test_floor_nowcast_of_a_steadily_moving_point_is_that_point_ahead():
+    """EMAs of θ(t) = a + v t lag by β/(1−β) steps; the lag-corrected floor ``ahead`` steps on is θ(t + ahead)."""
+    a, v = [torch.randn(50)], [torch.randn(50)]
+    params = linear_params(0, a, v)
+    averages = [[p.clone() for p in params] for _ in nowcast.AVG_BETAS]
+    for t in range(1, 2001):
+        params = linear_params(t, a, v)
+        for beta, avg in zip(nowcast.AVG_BETAS, averages):
+            torch._foreach_lerp_(avg, params, 1 - beta)
+    delta = nowcast._smoothed_delta(averages, params, "floor", 30)
+    torch.testing.assert_close(delta[0], 30 * v[0], rtol=1e-3, atol=1e-3)
+    smooth = nowcast._smoothed_delta(averages, params, "smooth", 30)
+    torch.testing.assert_close(smooth[0], 30 * v[0], rtol=1e-3, atol=1e-3)
+
+
+def test_jump_arm_keeps_accepted_jumps_and_undoes_rejected_ones():
+    task = get_task("digits", quick=True)
+    plain = nowcast.run_arm(task, 3e-3, 0, None, 1, None, steps=100)
+    jumped = nowcast.run_arm(task, 3e-3, 0, "floor", 1, None, steps=100)
+    assert plain["jumps"] == [] and len(plain["curve"]) == 100 // nowcast.EVAL_EVERY
+    assert [j["step"] for j in jumped["jumps"]] == [80]  # after WARMUP, every CONTEXT·EVERY steps
+    for j in jumped["jumps"]:
+        assert j["accepted"] == (j["after"] < j["before"])
+    # Identical up to the first jump (same data, same initialisation), different after it only if kept.
+    first = jumped["jumps"][0]["step"]
+    before_jump = [p for p in plain["curve"] if p["step"] < first]
+    assert [p["val_loss"] for p in before_jump] == [p["val_loss"] for p in jumped["curve"][:len(before_jump)]]
+    after = (plain["curve"][-1]["val_loss"], jumped["curve"][-1]["val_loss"])
+    assert (after[0] != after[1]) == jumped["jumps"][0]["accepted"]
