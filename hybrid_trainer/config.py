@@ -31,6 +31,12 @@ class HybridConfig:
         max_consecutive_declines: phase decisions in a row that declined to predict (worth or
             confidence too low) after which prediction is switched off for the run, so the
             trainer stops recording and costs what the plain loop costs.
+        cost_aware: raise that threshold by the measured cost of the prediction machinery
+            (recording, state encoder, dynamics model) per real step, times the real steps per
+            predicted step of the schedule (:mod:`hybrid_trainer.cost`): on a model whose step
+            takes less time than the machinery, no worth repays it and prediction switches off.
+            Each cost is timed on its first few runs and then fixed, so decisions are
+            reproducible from a checkpoint; False: the threshold is ``min_predicted_worth``.
         use_bandit, bandit_alpha: LinUCB over ``predict_lengths`` (reward: loss progress per
             unit of compute) instead of the confidence rule.
 
@@ -86,6 +92,7 @@ class HybridConfig:
     max_consecutive_rejections: int = 4
     min_predicted_worth: float = 0.1
     max_consecutive_declines: int = 5
+    cost_aware: bool = True
     use_bandit: bool = False
     bandit_alpha: float = 1.0
 
@@ -157,6 +164,7 @@ class HybridConfig:
              "a float in [-1, 10]")
         need("max_consecutive_declines", is_int(self.max_consecutive_declines) and self.max_consecutive_declines >= 1,
              "an int >= 1")
+        need("cost_aware", isinstance(self.cost_aware, bool), "a bool")
         need("use_bandit", isinstance(self.use_bandit, bool), "a bool")
         need("bandit_alpha", is_num(self.bandit_alpha) and self.bandit_alpha >= 0, "a float >= 0")
         need("direction", self.direction in DIRECTIONS, f"one of {DIRECTIONS}")

@@ -117,8 +117,9 @@ class PhaseController:
                 self.consecutive_declines += 1
                 if self.consecutive_declines >= cfg.max_consecutive_declines:
                     self.disabled_reason = (f"{self.consecutive_declines} phase decisions in a row found a predicted "
-                                            "step worth less than min_predicted_worth; prediction is off for the "
-                                            "rest of the run")
+                                            "step worth less than it costs (min_predicted_worth plus the measured "
+                                            "cost of the prediction machinery); prediction is off for the rest of "
+                                            "the run")
             self.cycles = 0
             self._enter(Phase.FULL, cfg.full_steps * self.backoff)
         else:

@@ -37,6 +37,7 @@ from hybrid_kernels.encode_state import NUM_FEATURES
 from . import checkpoint
 from .anchor import WeightAnchor
 from .config import HybridConfig
+from .cost import PredictionCost, real_steps_per_predicted
 from .divergence import DivergenceMonitor, Severity
 from .dynamics import DynamicsModel
 from .memory import MemoryProfiler, VRAMGuard, default_reader
@@ -134,6 +135,7 @@ class HybridTrainer:
         self.monitor = DivergenceMonitor(**config.divergence)
         self.controller = PhaseController(config)
         self.loss_trend = LossTrend()
+        self.cost = PredictionCost(real_steps_per_predicted(config)) if config.cost_aware else None
         # Per-step records go to the JSONL file only: kept in memory they would grow with the run.
         self.metrics = (MetricsLogger(config.metrics_path, keep_records=False)
                         if config.metrics_path is not None else None)
@@ -153,6 +155,7 @@ class HybridTrainer:
         self.grad_checkpointing = self._make_grad_checkpointing(model, config)
 
         self.step_count = 0
+        self._machinery_s = 0.0  # prediction machinery time within the current real step
         self._forecast: dict[str, torch.Tensor] | None = None
         self._last_update_cosine = float("nan")
         self.predicted_worth: float | None = None  # see _measure_worth
@@ -254,6 +257,8 @@ class HybridTrainer:
     # ----------------------------------------------------------------------- real steps ----
     def _real_step(self, batch: Any, phase: Phase) -> StepResult:
         cfg = self.config
+        started = time.perf_counter()
+        self._machinery_s = 0.0  # time spent on prediction machinery during this step
         self.optimizer.zero_grad(set_to_none=True)
         micro = self._micro_batches(batch)
         total = 0.0
@@ -287,8 +292,10 @@ class HybridTrainer:
 
         record = self.controller.prediction_enabled and phase is not Phase.WARMUP
         if record:
+            mark = time.perf_counter()
             self._measure_worth()
             self.predictor.begin_step()
+            recording_s = time.perf_counter() - mark
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -299,7 +306,10 @@ class HybridTrainer:
             self.scheduler.step()
         update_norm = None
         if record:
+            mark = time.perf_counter()
             update = self.predictor.end_step()
+            recording_s += time.perf_counter() - mark
+            self._time("recording", recording_s)
             update_norm = update.update_norm
             if math.isfinite(update.cosine):
                 self._last_update_cosine = update.cosine
@@ -312,6 +322,8 @@ class HybridTrainer:
         if cfg.good_state_every and (real_steps % cfg.good_state_every == 1 or not self.good_state.is_set) \
                 and report.severity is Severity.OK:
             self.good_state.save(self.step_count, self.optimizer)
+        if record:
+            self._time("core", time.perf_counter() - started - self._machinery_s)
         return StepResult(step=self.step_count, phase=phase.value, loss=total, backward_done=True,
                           divergence=report.severity.name, grad_norm=grad_norm, lr=lr)
 
@@ -363,6 +375,7 @@ class HybridTrainer:
             # moot while a predicted step is not worth it; on small models they cost as much as
             # the step itself, so they wait for the gate (the rings above keep filling).
             return
+        mark = time.perf_counter()
         h.lr, h.step, h.phase, h.phase_step = lr, self.step_count, phase.code, self.controller.phase_step
         h.acceptance_rate = self.controller.acceptance_estimate()
         errors = self.dynamics.error_report()
@@ -370,13 +383,29 @@ class HybridTrainer:
         features = hk.encode_state(h, optimizer_state=self.optimizer)
         self.normalizer.update(features)
         self.dynamics.observe(self.normalizer.normalize(features), loss)
+        self._time("forecasting", time.perf_counter() - mark)
         if self.stats.optimizer_steps % cfg.dynamics_train_every == 0 and self.dynamics.ready():
+            mark = time.perf_counter()
             self.dynamics.train_step()
             self._forecast = self.dynamics.forecast()
+            self._time("dynamics_training", (time.perf_counter() - mark) / cfg.dynamics_train_every)
+
+    def _time(self, part: str, seconds: float) -> None:
+        """Feed the cost calibration (wall-clock; on GPU the float() reads in each part synchronise)."""
+        if part != "core":
+            self._machinery_s += seconds
+        if self.cost is not None:
+            self.cost.observe(part, seconds)
 
     # ------------------------------------------------------------------- predicted steps ----
     def _worth_passes(self) -> bool:
-        return self.predicted_worth is not None and self.predicted_worth >= self.config.min_predicted_worth
+        return self.predicted_worth is not None and self.predicted_worth >= self.required_worth()
+
+    def required_worth(self) -> float:
+        """Worth a predicted step needs to pay: ``min_predicted_worth`` plus, when ``cost_aware``,
+        the measured cost of recording and forecasting per real step (:mod:`hybrid_trainer.cost`)."""
+        base = self.config.min_predicted_worth
+        return base if self.cost is None else self.cost.required_worth(base)
 
     def _confidence(self, horizon: int) -> float:
         """Confidence that a predict phase of ``horizon`` steps is accepted: geometric mean of the
@@ -481,6 +510,8 @@ class HybridTrainer:
             predicted_scale_mean=float(self.predictor.scales.mean()),
             last_update_cosine=self._last_update_cosine,
             predicted_step_worth=self.predicted_worth,
+            required_worth=self.required_worth(),
+            prediction_overhead=None if self.cost is None else self.cost.overhead,
         )
         return s
 
@@ -528,6 +559,7 @@ class HybridTrainer:
             "monitor": self.monitor.state_dict(),
             "controller": self.controller.state_dict(),
             "loss_trend": self.loss_trend.state_dict(),
+            "cost": None if self.cost is None else self.cost.state_dict(),
             "stats": asdict(self.stats),
             "trainer": {
                 "step_count": self.step_count,
@@ -561,6 +593,8 @@ class HybridTrainer:
         self.monitor.load_state_dict(state["monitor"])
         self.controller.load_state_dict(state["controller"])
         self.loss_trend.load_state_dict(state["loss_trend"])
+        if self.cost is not None and state.get("cost") is not None:
+            self.cost.load_state_dict(state["cost"])
         self.stats = RunStatistics(**state["stats"])
         t = state["trainer"]
         self.step_count, self._forecast = t["step_count"], t["forecast"]

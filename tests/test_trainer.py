@@ -14,7 +14,7 @@ from _digits import batches, cross_entropy, digits_tensors, mlp
 FAST = dict(warmup_steps=8, full_steps=8, correct_steps=3, predict_lengths=(4,), verify_every=4,
             dynamics_hidden=32, dynamics_window=4, dynamics_batch=8, dynamics_train_every=2)
 # Mechanism tests that need predicted steps whatever they are worth on this small task.
-ALWAYS = dict(confidence_threshold=0.0, min_predicted_worth=-1.0)
+ALWAYS = dict(confidence_threshold=0.0, min_predicted_worth=-1.0, cost_aware=False)
 
 
 @pytest.fixture(autouse=True)
@@ -286,7 +286,7 @@ def test_random_labels_prediction_turns_off_and_loss_matches_plain_loop():
         loss = cross_entropy(plain, b)
         loss.backward()
         optimizer.step()
-        plain_losses.append(float(loss))
+        plain_losses.append(float(loss.detach()))
 
     model = mlp(1)
     trainer = HybridTrainer(model, torch.optim.AdamW(model.parameters(), lr=3e-3), cross_entropy,

@@ -1,0 +1,72 @@
+"""The cost-aware worth gate: calibrated timings, break-even arithmetic, and its effect on a run."""
+import pytest
+import torch
+
+from hybrid_trainer import HybridConfig, HybridTrainer
+from hybrid_trainer.cost import CALIBRATION_STEPS, PredictionCost, real_steps_per_predicted
+
+from _digits import batches, cross_entropy, digits_tensors, mlp
+
+
+def calibrate(cost, part, values):
+    for v in values:
+        cost.observe(part, v)
+
+
+def test_schedule_ratio_of_real_to_predicted_steps():
+    # defaults: CORRECT 4 after each PREDICT of up to 16, FULL 20 every 4 cycles → (4 + 5) / 16
+    assert real_steps_per_predicted(HybridConfig()) == pytest.approx(9 / 16)
+    cfg = HybridConfig(correct_steps=3, full_steps=8, max_consecutive_predict=2, predict_lengths=(2, 6))
+    assert real_steps_per_predicted(cfg) == pytest.approx((3 + 4) / 6)
+
+
+def test_break_even_worth_from_calibrated_medians_then_frozen():
+    cost = PredictionCost(real_per_predicted=0.5)
+    assert cost.overhead == 0.0 and cost.required_worth(0.1) == pytest.approx(0.1)
+    n = CALIBRATION_STEPS["core"]
+    calibrate(cost, "core", [2.0] * (n - 1) + [50.0])  # one outlier (a GC pause) does not move the median
+    assert cost.seconds["core"] == pytest.approx(2.0)
+    calibrate(cost, "recording", [0.5] * CALIBRATION_STEPS["recording"])
+    assert cost.overhead == pytest.approx(0.25)
+    calibrate(cost, "forecasting", [3.0] * CALIBRATION_STEPS["forecasting"])
+    calibrate(cost, "dynamics_training", [0.5] * CALIBRATION_STEPS["dynamics_training"])
+    assert cost.overhead == pytest.approx((0.5 + 3.0 + 0.5) / 2.0)
+    assert cost.required_worth(0.1) == pytest.approx(0.1 + 2.0 * 0.5)
+    calibrate(cost, "core", [100.0] * 20)  # calibrated parts are fixed for the run
+    assert cost.seconds["core"] == pytest.approx(2.0)
+    restored = PredictionCost(0.5)
+    restored.load_state_dict(cost.state_dict())
+    assert restored.required_worth(0.1) == cost.required_worth(0.1)
+
+
+def test_partial_calibration_counts_only_finished_parts():
+    cost = PredictionCost(1.0)
+    calibrate(cost, "core", [1.0] * CALIBRATION_STEPS["core"])
+    calibrate(cost, "forecasting", [5.0] * (CALIBRATION_STEPS["forecasting"] - 1))
+    assert cost.overhead == 0.0 and cost.calibrated == {"core": True, "recording": False, "forecasting": False,
+                                                         "dynamics_training": False}
+
+
+def test_cost_gate_switches_off_machinery_that_costs_more_than_the_step():
+    """A tiny MLP with an oversized dynamics model: whatever a predicted step is worth, the
+    encoder and dynamics model cost more than it saves. Cost-aware, prediction switches off;
+    with the gate at min_predicted_worth alone, the same run keeps predicting."""
+    x, y = digits_tensors()
+    stream = batches(x, y, 64, 100)
+    settings = dict(warmup_steps=8, full_steps=8, correct_steps=3, predict_lengths=(4,), verify_every=4,
+                    dynamics_hidden=128, dynamics_window=4, dynamics_batch=8, dynamics_train_every=2,
+                    confidence_threshold=0.0, min_predicted_worth=-1.0, max_consecutive_rejections=100)
+    stats = {}
+    for aware in (True, False):
+        model = mlp(0)
+        trainer = HybridTrainer(model, torch.optim.AdamW(model.parameters(), lr=0.05), cross_entropy,
+                                HybridConfig(cost_aware=aware, **settings))
+        for b in stream:
+            trainer.step(b)
+        stats[aware] = trainer.statistics()
+    aware, unaware = stats[True], stats[False]
+    assert aware["prediction_overhead"] > 2.0, aware  # the dynamics model dwarfs a digits step
+    assert aware["required_worth"] > 1.0
+    assert not aware["prediction_enabled"] and "costs" in aware["prediction_disabled_reason"], aware
+    assert unaware["required_worth"] == -1.0 and unaware["prediction_overhead"] is None
+    assert unaware["predicted_steps"] > aware["predicted_steps"]
