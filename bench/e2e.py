@@ -121,7 +121,10 @@ class ArmRun:
         keep = ("predicted_steps", "predicted_steps_kept", "predicted_steps_rolled_back", "verifications",
                 "verifications_accepted", "predict_phases", "predict_phases_rejected", "backward_saved_fraction",
                 "prediction_enabled", "prediction_disabled_reason", "predicted_step_worth", "time_by_phase_s",
-                "steps_by_phase", "dynamics_error_by_horizon", "loss_noise_std", "divergence_rollbacks")
+                "steps_by_phase", "dynamics_error_by_horizon", "loss_noise_std", "divergence_rollbacks",
+                "required_worth", "prediction_overhead")
+        s["cost_seconds"] = None if self.trainer.cost is None else dict(self.trainer.cost.seconds)
+        keep = keep + ("cost_seconds",)
         return {k: s[k] for k in keep}
 
 
@@ -251,6 +254,10 @@ def _fmt(ms: dict, digits: int = 3, pct: bool = False) -> str:
     return f"{ms['mean']:.{digits}f}{unit} ± {ms['std']:.{digits}f}" if ms["n"] > 1 else f"{ms['mean']:.{digits}f}{unit}"
 
 
+def _num(value, digits: int = 3) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
 def markdown(results: list[dict], meta: dict) -> str:
     lines = [f"End-to-end benchmark, `{meta['command']}` ({meta['date']}, {meta['device']}, "
              f"torch {meta['torch']}, {meta['threads']} thread(s)). Mean ± std over seeds.", ""]
@@ -276,7 +283,11 @@ def markdown(results: list[dict], meta: dict) -> str:
                 lines.append(f"\n{name}, seed {arm['seeds'][0]['seed']}: predicted steps {h['predicted_steps']} "
                              f"({h['predicted_steps_kept']} kept, {h['predicted_steps_rolled_back']} rolled back), "
                              f"predict phases {h['predict_phases']} ({h['predict_phases_rejected']} rejected), "
-                             f"measured worth of a predicted step {h['predicted_step_worth']}, time by phase "
+                             f"measured worth of a predicted step {_num(h['predicted_step_worth'])}, required "
+                             f"{_num(h.get('required_worth'))} (machinery/core step {_num(h.get('prediction_overhead'))}"
+                             + (", ms: " + ", ".join(f"{k} {1e3 * v:.2f}" for k, v in h["cost_seconds"].items()
+                                                    if v is not None) if h.get("cost_seconds") else "")
+                             + "), time by phase "
                              + ", ".join(f"{k} {v:.1f}s" for k, v in h["time_by_phase_s"].items())
                              + ("" if h["prediction_enabled"] else f"; {h['prediction_disabled_reason']}"))
         lines.append("")

@@ -352,6 +352,8 @@ def report(out: Path) -> str:
             lines.append(f"| {t['every']} steps | {int(h) * t['every']} steps | "
                          + " | ".join(f"{errs[h]:.3f}" for errs in t["held_out_relative_error"].values()) + " |")
         for every, errs in t.get("held_out_relative_error_by_spacing", {}).items():
+            if int(every) == t["every"]:
+                continue  # the rows above
             for h in sorted(errs["drift"], key=int):
                 lines.append(f"| {every} steps | {int(h) * int(every)} steps | {errs['drift'][h]:.3f} | "
                              f"{errs['oracle-scaled drift'][h]:.3f} | – |")
@@ -367,13 +369,17 @@ def report(out: Path) -> str:
                   "loss at 80% of its steps (per seed); speed-up in steps to it (evaluated every "
                   f"{r['runs']['plain AdamW'][0]['curve'][1]['step'] - r['runs']['plain AdamW'][0]['curve'][0]['step']} "
                   "steps).", "",
-                  "| arm | final val loss | reached | steps to target | step speed-up | train time (s) | jumps kept |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| arm | final val loss | reached | steps to target | step speed-up | train time (s) | jumps kept "
+                  "| median loss change at a jump |",
+                  "|---|---|---|---|---|---|---|---|"]
         for name, s_ in r["summary"].items():
             steps_ = "–" if s_["steps_to_target"] is None else f"{s_['steps_to_target']:.0f}"
             speed = "–" if s_["step_speedup"] is None else f"{s_['step_speedup']:.2f}×"
+            jumps = [j for run in r["runs"][name] for j in run["jumps"]]
+            change = (f"{100 * statistics.median((j['after'] - j['before']) / j['before'] for j in jumps):+.2f}%"
+                      if jumps else "–")
             lines.append(f"| {name} | {s_['final_val_loss']:.4f} | {s_['reached']} | {steps_} | {speed} | "
-                         f"{s_['mean_train_time_s']:.1f} | {s_['jumps_accepted']}/{s_['jumps']} |")
+                         f"{s_['mean_train_time_s']:.1f} | {s_['jumps_accepted']}/{s_['jumps']} | {change} |")
         lines.append("")
         lines.append(f"Validation loss over steps: `nowcast_{task}.png`.")
         lines.append("")
