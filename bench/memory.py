@@ -309,7 +309,7 @@ def measure_leak(steps: int = 2000, chunk: int = 100, warmup_chunks: int = 2,
         # so a leak on that path would show.
         configs["hybrid_always_predict"] = HybridConfig(
             dynamics_hidden=dynamics_hidden, confidence_threshold=0.0, min_predicted_worth=-1.0,
-            max_consecutive_declines=10**9, max_consecutive_rejections=10**9)
+            cost_aware=False, max_consecutive_declines=10**9, max_consecutive_rejections=10**9)
     arms = {name: _LeakArm(task, config, seed) for name, config in configs.items()}
     n_chunks = math.ceil(steps / chunk)
     rss_after_warmup = tensors_after_warmup = None
@@ -401,8 +401,8 @@ def markdown(result: dict) -> str:
               f"### c. No leak: {leak['steps_per_arm']} plain AdamW and {leak['steps_per_arm']} HybridTrainer steps "
               f"({leak['task']}, interleaved chunks of {leak['chunk_steps']})", "",
               f"Arm `hybrid`: {leak['hybrid_config_note']}. Arm `hybrid_always_predict` (if present): the same "
-              "with the give-up rules off (confidence_threshold 0, min_predicted_worth -1, no decline/rejection "
-              "limit), so the PREDICT path runs throughout.", "",
+              "with the give-up rules off (confidence_threshold 0, min_predicted_worth -1, cost_aware off, no "
+              "decline/rejection limit), so the PREDICT path runs throughout.", "",
               "| arm | RSS growth after warm-up (MB) | extra vs plain (MB) | parameter reallocations | phases | "
               "predicted steps |",
               "|---|---|---|---|---|---|"]
