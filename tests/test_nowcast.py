@@ -85,3 +85,22 @@ def test_jump_arm_keeps_accepted_jumps_and_undoes_rejected_ones():
     assert [p["val_loss"] for p in before_jump] == [p["val_loss"] for p in jumped["curve"][:len(before_jump)]]
     after = (plain["curve"][-1]["val_loss"], jumped["curve"][-1]["val_loss"])
     assert (after[0] != after[1]) == jumped["jumps"][0]["accepted"]
+
+
+def test_training_samples_and_error_measure_on_a_straight_trajectory():
+    """On θ(t) = a + v t every element's normalised displacements are sign(v), its target h·sign(v),
+    and the drift rule (and its best multiple) has zero error."""
+    a, v = torch.randn(40), torch.randn(40)
+    snaps = torch.stack([a + t * v for t in range(12)])
+    sizes = [25, 15]
+    x, y, w = nowcast.samples(snaps, sizes, context=4, horizons=(1, 2), per_index=40,
+                              gen=torch.Generator().manual_seed(0))
+    n_indices = 12 - 4 - 2
+    assert x.shape == (40 * n_indices, 5) and y.shape == (40 * n_indices, 2) and w.shape == (40 * n_indices,)
+    sign = x[:, 0].sign()
+    torch.testing.assert_close(x[:, :4], sign[:, None].expand(-1, 4))
+    torch.testing.assert_close(y, torch.stack([sign, 2 * sign], 1))
+    errors = nowcast.relative_errors(None, snaps, sizes, context=4, horizons=(1, 3))
+    assert set(errors) == {"drift", "oracle-scaled drift"}
+    for name in errors:
+        assert errors[name][1] < 1e-10 and errors[name][3] < 1e-10
