@@ -185,7 +185,8 @@ def run_arm(task, lr: float, seed: int, method: str | None, horizon: int, model:
     iterate along the drift of the smoothed trajectory, (EMA_0.9(θ) − EMA_0.98(θ)) / (lag
     difference), for ``horizon·EVERY`` steps; ``floor`` jumps to the fast average moved forward
     by its lag plus that horizon (where the smoothed trajectory will be, without the iterate's
-    oscillation)."""
+    oscillation); ``floor-reset`` also zeroes Adam's first moment after a kept jump; ``average``
+    never jumps but is evaluated at the lag-corrected average (a control)."""
     torch.manual_seed(seed)
     net = task.make_model(seed)
     params = [p for p in net.parameters() if p.requires_grad]
@@ -193,7 +194,7 @@ def run_arm(task, lr: float, seed: int, method: str | None, horizon: int, model:
     stream, checks = task.batches(seed), task.batches(seed + 7919)  # verification batches: their own stream
     history = SnapshotHistory(params, CONTEXT, EVERY) if method in ("drift", "learned") else None
     averages = ([[p.detach().clone() for p in params] for _ in AVG_BETAS]
-                if method in ("smooth", "floor", "average") else None)
+                if method in ("smooth", "floor", "floor-reset", "average") else None)
     ahead = horizon * EVERY
     curve, jumps, train_time = [], [], 0.0
     for step in range(1, steps + 1):
@@ -207,7 +208,7 @@ def run_arm(task, lr: float, seed: int, method: str | None, horizon: int, model:
                 for beta, avg in zip(AVG_BETAS, averages):
                     torch._foreach_lerp_(avg, [p.detach() for p in params], 1 - beta)
                 if step >= WARMUP and step % (CONTEXT * EVERY) == 0 and method != "average":
-                    delta = _smoothed_delta(averages, params, method, ahead)
+                    delta = _smoothed_delta(averages, params, "smooth" if method == "smooth" else "floor", ahead)
             if history is not None:
                 history.observe_real_step()
                 if step >= WARMUP and history.ready:
@@ -225,6 +226,9 @@ def run_arm(task, lr: float, seed: int, method: str | None, horizon: int, model:
                 accepted = after < before
                 if not accepted:
                     torch._foreach_copy_(params, saved)
+                elif method == "floor-reset":  # Adam's momentum still points up the hill the jump left
+                    for p in params:
+                        optimizer.state[p]["exp_avg"].zero_()
                 jumps.append(dict(step=step, before=before, after=after, accepted=accepted))
         train_time += time.perf_counter() - started
         if step % EVAL_EVERY == 0:
@@ -395,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--lr", type=float, default=None)
     parser.add_argument("--arms", nargs="+", default=[f"{m}:{h}" for m in ("drift", "learned") for h in HORIZONS],
-                        help="method:horizon pairs, method in {drift, learned, smooth, floor, average}, horizon in snapshot intervals")
+                        help="method:horizon pairs, method in {drift, learned, smooth, floor, floor-reset, average}, horizon in snapshot intervals")
     parser.add_argument("--out", type=Path, default=Path("docs/results"))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
