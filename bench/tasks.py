@@ -155,7 +155,8 @@ def charlm_task(quick: bool = False, text_source: str = "kjv") -> Task:
     def val_loss(model: nn.Module) -> float:
         return float(next_char_loss(model, (val_x, val_y)))
 
-    return Task("charlm" if text_source == "kjv" else "pylm", make_model, next_char_loss, batches, val_loss, steps, eval_every,
+    name = "charlm" if text_source == "kjv" else "pylm"
+    return Task(name, make_model, next_char_loss, batches, val_loss, steps, eval_every,
                 lr_grid=[1e-3, 2e-3, 4e-3] if not quick else [3e-3, 6e-3], data_source=source,
                 details=dict(shape, vocab=len(vocab), batch_size=batch_size, train_chars=len(train),
                              val_chars=len(val), val_sequences=n_val))

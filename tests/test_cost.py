@@ -70,3 +70,21 @@ def test_cost_gate_switches_off_machinery_that_costs_more_than_the_step():
     assert not aware["prediction_enabled"] and "costs" in aware["prediction_disabled_reason"], aware
     assert unaware["required_worth"] == -1.0 and unaware["prediction_overhead"] is None
     assert unaware["predicted_steps"] > aware["predicted_steps"]
+
+
+def test_calibrated_cost_travels_with_the_checkpoint(tmp_path):
+    x, y = digits_tensors()
+    stream = batches(x, y, 64, 40)
+    trainers = []
+    for seed in (0, 1):
+        model = mlp(seed)
+        trainers.append(HybridTrainer(model, torch.optim.AdamW(model.parameters(), lr=0.01), cross_entropy,
+                                      HybridConfig(warmup_steps=2, full_steps=8)))
+    first, second = trainers
+    for b in stream:
+        first.step(b)
+    assert first.cost.calibrated["core"] and first.cost.calibrated["recording"]
+    first.save(tmp_path / "ckpt.pt")
+    second.load(tmp_path / "ckpt.pt")
+    assert second.cost.seconds == first.cost.seconds
+    assert second.required_worth() == first.required_worth()
