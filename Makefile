@@ -10,7 +10,7 @@ PIP_FLAGS ?= --quiet --disable-pip-version-check
 FASHION := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install data test demo bench bench-e2e clean
+.PHONY: install data test demo bench bench-e2e bench-nowcast clean
 
 install: $(STAMP)
 
@@ -48,6 +48,14 @@ bench: $(STAMP)
 # Full end-to-end benchmark (charlm, fashion, digits; 3 seeds); writes docs/results/e2e*.
 bench-e2e: data
 	$(PY) -m bench.e2e --out docs/results
+
+# Learned nowcaster and trajectory jumps (~25 min): fit on source tasks, evaluate on fashion and
+# charlm, write docs/results/nowcast.md.
+bench-nowcast: data
+	$(PY) -m bench.nowcast train --out docs/results
+	$(PY) -m bench.nowcast evaluate --task fashion --seeds 3 --arms floor:0 floor:1 floor:2 smooth:4 average:0 drift:1 learned:1 --out docs/results
+	$(PY) -m bench.nowcast evaluate --task charlm --seeds 2 --arms floor:0 floor:1 smooth:4 average:0 drift:1 learned:1 --out docs/results
+	$(PY) -m bench.nowcast report --out docs/results
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .benchmarks
