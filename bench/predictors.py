@@ -22,7 +22,8 @@ least-squares slope of the weight trajectory over the last 4 updates, and the dr
 smoothed trajectory, (EMA_0.9(θ) − EMA_0.98(θ)) / (49 − 9), which leaves the current iterate's
 oscillation out.
 
-Writes ``<out>/predictors_<task>.json`` and ``.png`` (worth over training).
+Writes ``<out>/predictors_<task>.json`` and ``.png`` (worth over training); ``--steps`` other
+than 600 adds ``_<steps>steps`` to the name.
 """
 from __future__ import annotations
 
@@ -172,8 +173,9 @@ def main(argv: list[str] | None = None) -> int:
                           + (f" --lr {args.lr}" if args.lr else ""),
                   date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), torch=torch.__version__)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"predictors_{args.task}.json").write_text(json.dumps(result, indent=1))
-    plot(result, args.out / f"predictors_{args.task}.png")
+    stem = f"predictors_{args.task}" + ("" if args.steps == 600 else f"_{args.steps}steps")  # keeps the default run
+    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    plot(result, args.out / f"{stem}.png")
     print(f"{args.task}: worth of a predicted step relative to a real one ({args.steps} steps, lr {result['lr']}); "
           f"windows of {result['window_steps']} steps, then whole run:")
     for name, values in result["worth_by_window"].items():
