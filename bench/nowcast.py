@@ -279,18 +279,13 @@ def evaluate(task_name: str, seeds: int, out: Path, lr: float | None, arms: list
             for name, method, h in specs:  # interleaved per seed: machine noise hits arms alike
                 runs[name].append(run_arm(task, lr, seed, method, h, model, task.steps))
                 bar.update()
+    plain_curves = [r["curve"] for r in runs["plain AdamW"]]
+    targets = [curve[int(0.8 * len(curve)) - 1]["val_loss"] for curve in plain_curves]  # per seed
+    plain_steps = [_crossing(curve, target)["step"] for curve, target in zip(plain_curves, targets)]
     summary = {}
     for name, rs in runs.items():
-        targets = []
-        for seed, r in enumerate(rs):
-            plain = runs["plain AdamW"][seed]["curve"]
-            target = plain[int(0.8 * len(plain)) - 1]["val_loss"]
-            hit = _crossing(r["curve"], target)
-            targets.append(hit)
-        reached = [t for t in targets if t is not None]
-        plain_steps = [_crossing(runs["plain AdamW"][s]["curve"],
-                                 runs["plain AdamW"][s]["curve"][int(0.8 * len(runs["plain AdamW"][s]["curve"])) - 1]
-                                 ["val_loss"])["step"] for s in range(seeds)]
+        hits = [_crossing(r["curve"], target) for r, target in zip(rs, targets)]
+        reached = [t for t in hits if t is not None]
         jumps = [j for r in rs for j in r["jumps"]]
         summary[name] = dict(
             final_val_loss=statistics.mean(r["curve"][-1]["val_loss"] for r in rs),

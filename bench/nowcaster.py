@@ -81,13 +81,6 @@ class SnapshotHistory:
         snaps = self._ring[order]
         return snaps[:-1] - snaps[1:]
 
-    def state_dict(self) -> dict:
-        return {"ring": self._ring.clone(), "count": self.count, "steps_since": self.steps_since}
-
-    def load_state_dict(self, state: dict) -> None:
-        self._ring.copy_(state["ring"])
-        self.count, self.steps_since = int(state["count"]), int(state["steps_since"])
-
 
 def element_features(disp: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Features of every element from its displacements.
