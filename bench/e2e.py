@@ -9,7 +9,8 @@ Protocol (shared/design.md §5):
   ``torch.set_num_threads`` is fixed and reported.
 * Arms: AdamW at the learning rate picked by a small sweep (recorded in the output), the same
   loop at 2× that rate (repeating updates resembles a larger step: the honest competitor), and
-  HybridTrainer (default config, and the aggressive preset) at the tuned rate. Plain arms run
+  HybridTrainer (default config, the aggressive preset, and ``no-predict``: prediction off, what
+  the trainer's safety layer alone costs) at the tuned rate. Plain arms run
   ``steps`` steps; hybrid arms get 1.5× as many steps (they may see more batches; the claim is
   wall-clock).
 * Target = the tuned baseline's validation loss at 80% of its budget (mean over seeds). Reported
@@ -227,14 +228,27 @@ def sweep_lr(task: Task, seed: int) -> tuple[float, dict[str, float]]:
     return best, finals
 
 
+PRESETS = ("default", "conservative", "aggressive", "no-predict")
+
+
+def preset_config(name: str) -> HybridConfig:
+    """``no-predict`` is the trainer with prediction off: what its safety layer alone costs."""
+    if name == "default":
+        return HybridConfig()
+    if name == "no-predict":
+        return HybridConfig(predict=False)
+    if name in PRESETS:
+        return getattr(HybridConfig, name)()
+    raise ValueError(f"--presets: each must be one of {PRESETS}, got {name!r}")
+
+
 def benchmark_task(name: str, quick: bool, n_seeds: int, presets: list[str]) -> dict:
     task = get_task(name, quick)
     print(f"\n== {name}: {task.data_source}", flush=True)
     tuned_lr, sweep = sweep_lr(task, seed=1000)
     arms = [ArmSpec("AdamW (tuned lr)", tuned_lr), ArmSpec("AdamW (2x lr)", 2 * tuned_lr)]
     for preset in presets:
-        config = HybridConfig() if preset == "default" else getattr(HybridConfig, preset)()
-        arms.append(ArmSpec(f"HybridTrainer ({preset})", tuned_lr, config))
+        arms.append(ArmSpec(f"HybridTrainer ({preset})", tuned_lr, preset_config(preset)))
     seeds = list(range(n_seeds))
     started = time.perf_counter()
     runs = run_arms(task, arms, seeds, desc=f"{name}: {len(arms)} arms x {n_seeds} seeds")
@@ -333,14 +347,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="digits + a very short charlm (under a minute)")
     parser.add_argument("--tasks", nargs="+", default=None, help="charlm fashion digits (default: all; quick: digits charlm)")
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--presets", nargs="+", default=None, help="hybrid configs: default conservative aggressive")
+    parser.add_argument("--presets", nargs="+", default=None, help=f"hybrid configs, of {' '.join(PRESETS)}")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("docs/results"))
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
     tasks = args.tasks or (["digits", "charlm"] if args.quick else ["charlm", "fashion", "digits"])
-    presets = args.presets or (["default"] if args.quick else ["default", "aggressive"])
+    presets = args.presets or (["default"] if args.quick else ["default", "aggressive", "no-predict"])
+    for name in presets:
+        preset_config(name)  # a bad name fails here, not after the first task's runs
     args.out.mkdir(parents=True, exist_ok=True)
     command = "python -m bench.e2e" + (" --quick" if args.quick else "") + (
         f" --tasks {' '.join(args.tasks)}" if args.tasks else "") + (f" --seeds {args.seeds}" if args.seeds != 3 else "") + (

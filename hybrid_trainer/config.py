@@ -16,6 +16,10 @@ class HybridConfig:
     """Configuration of :class:`~hybrid_trainer.HybridTrainer`. Steps count ``trainer.step`` calls.
 
     Phase schedule
+        predict: False never predicts: every step is a real step with the safety layer (NaN/Inf
+            refusal, divergence rollback, exact checkpoints, memory guard) and nothing is
+            recorded for prediction. For runs where prediction is known not to pay, and the
+            reference arm that measures what the safety layer alone costs (``bench.e2e``).
         warmup_steps: plain steps before anything is recorded for prediction.
         full_steps: real steps in a FULL phase before a PREDICT phase may start.
         correct_steps: real steps after each PREDICT phase (residuals, recalibration).
@@ -83,6 +87,7 @@ class HybridConfig:
         seed: seed of the trainer's own random draws (dynamics replay sampling).
     """
 
+    predict: bool = True
     warmup_steps: int = 20
     full_steps: int = 20
     correct_steps: int = 4
@@ -147,6 +152,7 @@ class HybridConfig:
         def is_num(v) -> bool:
             return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
+        need("predict", isinstance(self.predict, bool), "a bool")
         need("warmup_steps", is_int(self.warmup_steps) and self.warmup_steps >= 0, "an int >= 0")
         need("full_steps", is_int(self.full_steps) and self.full_steps >= 1, "an int >= 1")
         need("correct_steps", is_int(self.correct_steps) and self.correct_steps >= 1, "an int >= 1")

@@ -14,6 +14,7 @@ from .bandit import LinUCBBandit
 from .config import HybridConfig
 
 MAX_BACKOFF = 64
+PREDICT_OFF_REASON = "HybridConfig.predict=False: every step is a real step"
 
 
 class Phase(str, enum.Enum):
@@ -44,7 +45,7 @@ class PhaseController:
         self.consecutive_declines = 0
         self.backoff = 1
         self.last_predict_rejected = False
-        self.disabled_reason: str | None = None
+        self.disabled_reason: str | None = None if config.predict else PREDICT_OFF_REASON
         self.outcomes: deque[bool] = deque(maxlen=20)  # recent verification outcomes
         self.bandit = (LinUCBBandit(list(config.predict_lengths), n_features=4, alpha=config.bandit_alpha,
                                     seed=config.seed) if config.use_bandit else None)
@@ -166,7 +167,14 @@ class PhaseController:
         self.cycles, self.consecutive_rejections = state["cycles"], state["consecutive_rejections"]
         self.consecutive_declines = state["consecutive_declines"]
         self.backoff, self.last_predict_rejected = state["backoff"], state["last_predict_rejected"]
-        self.disabled_reason = state["disabled_reason"]
+        # The resuming run's config has the last word on whether to predict at all; a switch-off
+        # the earlier run measured (worth, rejections) stays.
+        reason = state["disabled_reason"]
+        if not self.config.predict:
+            reason = PREDICT_OFF_REASON
+        elif reason == PREDICT_OFF_REASON:
+            reason = None
+        self.disabled_reason = reason
         self.outcomes = deque(state["outcomes"], maxlen=20)
         if self.bandit is not None and state["bandit"] is not None:
             self.bandit.load_state_dict(state["bandit"])

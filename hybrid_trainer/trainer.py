@@ -363,6 +363,8 @@ class HybridTrainer:
     def _observe_state(self, phase: Phase, loss: float, grad_norm: float | None, update_norm: float | None,
                        lr: float) -> None:
         """Feed the 64-feature state encoder and the dynamics model with a real step."""
+        if not self.controller.prediction_enabled:
+            return  # the rings below only feed the encoder, which will not run again in this run
         cfg = self.config
         h = self.history
         h.push_loss(loss)

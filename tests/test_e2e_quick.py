@@ -44,3 +44,11 @@ def test_first_crossing_interpolates_in_time():
     assert cross["time"] == pytest.approx(0.5) and cross["backward"] == pytest.approx(5)
     assert e2e.first_crossing(curve, 0.5) is None
     assert e2e.interpolate(curve, "time", 0.25) == pytest.approx(1.75)
+
+
+def test_presets_map_to_configs_and_a_bad_name_fails_before_any_run(tmp_path):
+    assert e2e.preset_config("no-predict").predict is False
+    assert e2e.preset_config("aggressive") == e2e.HybridConfig.aggressive()
+    with pytest.raises(ValueError, match="--presets: each must be one of"):
+        e2e.main(["--quick", "--tasks", "digits", "--presets", "fast", "--out", str(tmp_path)])
+    assert not list(tmp_path.iterdir())

@@ -236,6 +236,7 @@ def test_triton_kernels_serve_the_trainer_under_the_interpreter(stream, monkeypa
     ("vram_warning", 0.9, "vram_critical=None: must be set together with vram_warning"),
     ("checkpoint_modules", [], "checkpoint_modules=\\[\\]"),
     ("memory_spike_threshold", 0.0, "memory_spike_threshold=0.0"),
+    ("predict", "no", "predict='no': must be a bool"),
 ])
 def test_config_validation_names_the_field(field, value, match):
     with pytest.raises(ValueError, match=match):
@@ -414,3 +415,37 @@ def test_warmup_steps_record_nothing_for_prediction(stream):
     assert trainer.stats.optimizer_steps == 12
     trainer.step(stream[12])  # first FULL step records
     assert trainer.predictor.n_updates == 1
+
+
+def test_predict_false_is_the_plain_loop_bit_for_bit(stream):
+    """With prediction off the trainer is the plain AdamW loop plus its safety checks: the same
+    weights to the last bit, nothing recorded for prediction, and it says why in its statistics."""
+    trainer = make_trainer(**{**ALWAYS, "predict": False})
+    plain = mlp(0)
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=0.05)
+    for batch in stream[:60]:
+        result = trainer.step(batch)
+        assert result.backward_done and result.phase in ("WARMUP", "FULL")
+        optimizer.zero_grad(set_to_none=True)
+        cross_entropy(plain, batch).backward()
+        optimizer.step()
+    for p, q in zip(trainer.params, plain.parameters()):
+        assert torch.equal(p.detach(), q.detach())
+    stats = trainer.statistics()
+    assert stats["predicted_steps"] == 0 and stats["backward_passes"] == 60
+    assert not stats["prediction_enabled"] and "predict=False" in stats["prediction_disabled_reason"]
+    assert trainer.predictor.n_updates == 0 and trainer.predicted_worth is None
+    assert trainer.dynamics.count == 0 and trainer.history.count("loss") == 0
+
+
+@pytest.mark.parametrize("saved_predict, resumed_predict", [(False, True), (True, False)])
+def test_resume_follows_the_resuming_config_on_predict(stream, tmp_path, saved_predict, resumed_predict):
+    first = make_trainer(**{**ALWAYS, "predict": saved_predict})
+    for batch in stream[:12]:
+        first.step(batch)
+    first.save(tmp_path / "ckpt.pt")
+    resumed = make_trainer(**{**ALWAYS, "predict": resumed_predict})
+    resumed.load(tmp_path / "ckpt.pt")
+    assert resumed.controller.prediction_enabled is resumed_predict
+    phases = {resumed.step(batch).phase for batch in stream[12:60]}
+    assert ("PREDICT" in phases) is resumed_predict
