@@ -297,15 +297,21 @@ def markdown(results: list[dict], meta: dict) -> str:
                 lines.append(f"\n{name}, seed {arm['seeds'][0]['seed']}: predicted steps {h['predicted_steps']} "
                              f"({h['predicted_steps_kept']} kept, {h['predicted_steps_rolled_back']} rolled back), "
                              f"predict phases {h['predict_phases']} ({h['predict_phases_rejected']} rejected), "
-                             f"measured worth of a predicted step {_num(h['predicted_step_worth'])}, required "
-                             f"{_num(h.get('required_worth'))} (machinery/core step {_num(h.get('prediction_overhead'))}"
-                             + (", ms: " + ", ".join(f"{k} {1e3 * v:.2f}" for k, v in h["cost_seconds"].items()
-                                                    if v is not None) if h.get("cost_seconds") else "")
-                             + "), time by phase "
+                             + _worth_text(h) + "time by phase "
                              + ", ".join(f"{k} {v:.1f}s" for k, v in h["time_by_phase_s"].items())
                              + ("" if h["prediction_enabled"] else f"; {h['prediction_disabled_reason']}"))
         lines.append("")
     return "\n".join(lines)
+
+
+def _worth_text(h: dict) -> str:
+    """The worth gate's measurements of one hybrid run ('' when it never measured: predict=False)."""
+    if h["predicted_step_worth"] is None:
+        return ""
+    costs = {k: v for k, v in (h.get("cost_seconds") or {}).items() if v is not None}
+    return (f"measured worth of a predicted step {_num(h['predicted_step_worth'])}, required "
+            f"{_num(h.get('required_worth'))} (machinery/core step {_num(h.get('prediction_overhead'))}"
+            + (", ms: " + ", ".join(f"{k} {1e3 * v:.2f}" for k, v in costs.items()) if costs else "") + "), ")
 
 
 def plot(result: dict, path: Path) -> None:

@@ -52,3 +52,12 @@ def test_presets_map_to_configs_and_a_bad_name_fails_before_any_run(tmp_path):
     with pytest.raises(ValueError, match="--presets: each must be one of"):
         e2e.main(["--quick", "--tasks", "digits", "--presets", "fast", "--out", str(tmp_path)])
     assert not list(tmp_path.iterdir())
+
+
+def test_worth_text_is_left_out_when_the_gate_never_measured():
+    measured = dict(predicted_step_worth=0.12, required_worth=0.3, prediction_overhead=0.3,
+                    cost_seconds={"core": 1e-3, "recording": 4e-4, "forecasting": None})
+    text = e2e._worth_text(measured)
+    assert "worth of a predicted step 0.120" in text and "core 1.00, recording 0.40" in text
+    assert "forecasting" not in text
+    assert e2e._worth_text(dict(predicted_step_worth=None)) == ""
