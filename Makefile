@@ -10,7 +10,7 @@ PIP_FLAGS ?= --quiet --disable-pip-version-check
 FASHION := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install data test demo bench bench-e2e bench-nowcast clean
+.PHONY: install data test demo bench bench-e2e bench-nowcast bench-worth clean
 
 install: $(STAMP)
 
@@ -56,6 +56,14 @@ bench-nowcast: data
 	$(PY) -m bench.nowcast evaluate --task fashion --seeds 3 --arms floor:0 floor:1 floor:2 smooth:4 average:0 drift:1 learned:1 --out docs/results
 	$(PY) -m bench.nowcast evaluate --task charlm --seeds 2 --arms floor:0 floor:1 smooth:4 average:0 drift:1 learned:1 --out docs/results
 	$(PY) -m bench.nowcast report --out docs/results
+
+# Worth of predicted steps against batch size, and full-batch digits end to end (~10 min):
+# docs/results/predictors_<task>_batch_sweep.* and docs/results/fullbatch/.
+bench-worth: data
+	$(PY) -m bench.predictors --task digits --steps 300 --lr 0.003 --batch-sizes 16 64 256 1437 --out docs/results
+	$(PY) -m bench.predictors --task fashion --steps 300 --lr 0.001 --batch-sizes 32 128 512 2048 --out docs/results
+	$(PY) -m bench.predictors --task charlm --steps 300 --lr 0.002 --batch-sizes 8 32 128 --out docs/results
+	$(PY) -m bench.e2e --tasks digits-full --out docs/results/fullbatch
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .benchmarks

@@ -1,6 +1,7 @@
 """How much is a predicted step worth? Candidate update predictors measured on a real run.
 
-    python -m bench.predictors [--task charlm] [--steps 600] [--out docs/results]
+    python -m bench.predictors [--task charlm] [--steps 600] [--lr LR] [--batch-size N] [--out docs/results]
+    python -m bench.predictors --task digits --steps 300 --batch-sizes 16 64 256 1437
 
 Trains the task's model with plain AdamW (tuned-ish lr) and, at every step t, measures for each
 candidate predictor the first-order loss decrease of its predicted step ``p_t`` relative to that
@@ -23,7 +24,11 @@ smoothed trajectory, (EMA_0.9(θ) − EMA_0.98(θ)) / (49 − 9), which leaves t
 oscillation out.
 
 Writes ``<out>/predictors_<task>.json`` and ``.png`` (worth over training); ``--steps`` other
-than 600 adds ``_<steps>steps`` to the name.
+than 600 adds ``_<steps>steps`` to the name, ``--batch-size`` adds ``_bs<N>``.
+
+``--batch-sizes`` runs the measurement once per batch size (same seed, lr and steps) and writes
+``predictors_<task>_batch_sweep.{json,md,png}``: how the worth of each candidate depends on the
+gradient noise, which falls as the batch grows (the task's whole training set = no noise).
 """
 from __future__ import annotations
 
@@ -58,8 +63,9 @@ def slope_weights(k: int) -> list[float]:
     return [sum(t - mean_t for t in times[j:]) / denom for j in range(1, k + 1)]
 
 
-def measure(task_name: str, steps: int, lr: float | None, seed: int = 0, windows: int = 6) -> dict:
-    task = get_task(task_name)
+def measure(task_name: str, steps: int, lr: float | None, seed: int = 0, windows: int = 6,
+            batch_size: int | None = None) -> dict:
+    task = get_task(task_name, batch_size=batch_size)
     lr = lr if lr is not None else sorted(task.lr_grid)[len(task.lr_grid) // 2]
     model = task.make_model(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -134,6 +140,7 @@ def measure(task_name: str, steps: int, lr: float | None, seed: int = 0, windows
              for name, pairs in raw.items()}
     real_positive = sum(r > 0 for _, r in raw["last update"]) / len(raw["last update"])
     return dict(task=task_name, data_source=task.data_source, steps=steps, lr=lr, seed=seed, window_steps=size,
+                batch_size=task.details["batch_size"],
                 worth_by_window=window_worth, worth_whole_run=total, loss_decrease_per_step_by_window=decrease,
                 fraction_of_real_updates_that_help_the_next_batch=real_positive, train_loss=losses)
 
@@ -160,24 +167,103 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+SWEEP_CANDIDATES = ("EMA β=0.98 × LS scale", "EMA β=0.9 × LS scale", "last update",
+                    "drift of weight averages × LS scale")
+
+
+def sweep_markdown(sweep: dict) -> str:
+    """Table of the batch-size sweep: worth over the whole run and in its last window."""
+    runs = sweep["runs"]
+    head = (f"Worth of a predicted step vs batch size: `{sweep['command']}` ({sweep['date']}, torch "
+            f"{sweep['torch']}, one thread). Task {sweep['task']}, {sweep['steps']} AdamW steps at lr "
+            f"{sweep['lr']}, seed {sweep['seed']}. Worth = first-order loss decrease of the predicted step on the "
+            "next batch's gradient over the measured loss decrease per real step (1 = as good as a real step); "
+            f"'last window' = the last {runs[0]['window_steps']} steps; n/a where the training loss did not fall "
+            "over that window (no decrease to compare with).\n")
+    cols = " | ".join(f"{c}: whole run / last window" for c in SWEEP_CANDIDATES)
+    lines = [head, f"| batch size | real updates that help the next batch | {cols} |",
+             "|---" * (2 + len(SWEEP_CANDIDATES)) + "|"]
+    for r in runs:
+        cells = []
+        for c in SWEEP_CANDIDATES:
+            last = r["worth_by_window"][c][-1]
+            whole = r["worth_whole_run"][c]
+            cells.append(f"{_signed(whole)} / {_signed(last)}")
+        lines.append(f"| {r['batch_size']} | {100 * r['fraction_of_real_updates_that_help_the_next_batch']:.0f}% | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _signed(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:+.2f}"
+
+
+def plot_sweep(sweep: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    sizes = [r["batch_size"] for r in sweep["runs"]]
+    for c in SWEEP_CANDIDATES:
+        pts = [(b, r["worth_whole_run"][c]) for b, r in zip(sizes, sweep["runs"]) if r["worth_whole_run"][c] is not None]
+        left.plot([b for b, _ in pts], [v for _, v in pts], marker="o", lw=1.2, label=c)
+    left.axhline(0, color="black", lw=0.6)
+    left.axhline(1, color="black", lw=0.6, ls=":", label="a real step")
+    left.set_ylabel(f"worth over the whole run ({sweep['steps']} steps; 1 = a real step)")
+    left.legend(fontsize=7)
+    right.plot(sizes, [100 * r["fraction_of_real_updates_that_help_the_next_batch"] for r in sweep["runs"]],
+               marker="o", color="black")
+    right.set_ylim(0, 105)
+    right.set_ylabel("real updates that lower the next batch's loss (%)")
+    for ax in (left, right):
+        ax.set_xscale("log")
+        ax.set_xlabel("batch size (samples per step; log scale)")
+    fig.suptitle(f"{sweep['task']}: worth of predicted steps vs batch size (AdamW lr {sweep['lr']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--task", default="charlm")
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--lr", type=float, default=None)
+    parser.add_argument("--batch-size", type=int, default=None, help="replace the task's batch size")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=None,
+                        help="sweep: one run per batch size, summarised in predictors_<task>_batch_sweep.*")
     parser.add_argument("--out", type=Path, default=Path("docs/results"))
     args = parser.parse_args(argv)
+    if args.batch_size is not None and args.batch_sizes is not None:
+        parser.error("--batch-size and --batch-sizes: give one of them")
     torch.set_num_threads(1)
-    result = measure(args.task, args.steps, args.lr)
-    result.update(command=f"python -m bench.predictors --task {args.task} --steps {args.steps}"
-                          + (f" --lr {args.lr}" if args.lr else ""),
-                  date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), torch=torch.__version__)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"predictors_{args.task}" + ("" if args.steps == 600 else f"_{args.steps}steps")  # keeps the default run
+    date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    base = f"python -m bench.predictors --task {args.task} --steps {args.steps}" + (f" --lr {args.lr}" if args.lr else "")
+    if args.batch_sizes is not None:
+        runs = [measure(args.task, args.steps, args.lr, batch_size=b) for b in args.batch_sizes]
+        for r in runs:
+            r.pop("train_loss")  # the sweep is about worth; single runs keep the loss curve
+        sweep = dict(task=args.task, steps=args.steps, lr=runs[0]["lr"], seed=runs[0]["seed"], runs=runs, date=date,
+                     torch=torch.__version__,
+                     command=base + " --batch-sizes " + " ".join(map(str, args.batch_sizes)))
+        stem = args.out / f"predictors_{args.task}_batch_sweep"
+        stem.with_suffix(".json").write_text(json.dumps(sweep, indent=1))
+        text = sweep_markdown(sweep)
+        stem.with_suffix(".md").write_text(text + "\n")
+        plot_sweep(sweep, stem.with_suffix(".png"))
+        print(text)
+        return 0
+    result = measure(args.task, args.steps, args.lr, batch_size=args.batch_size)
+    result.update(command=base + (f" --batch-size {args.batch_size}" if args.batch_size else ""),
+                  date=date, torch=torch.__version__)
+    stem = f"predictors_{args.task}" + ("" if args.steps == 600 else f"_{args.steps}steps") + (
+        f"_bs{args.batch_size}" if args.batch_size else "")  # keeps the default run's name
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
     plot(result, args.out / f"{stem}.png")
-    print(f"{args.task}: worth of a predicted step relative to a real one ({args.steps} steps, lr {result['lr']}); "
-          f"windows of {result['window_steps']} steps, then whole run:")
+    print(f"{args.task}: worth of a predicted step relative to a real one ({args.steps} steps, lr {result['lr']}, "
+          f"batch {result['batch_size']}); windows of {result['window_steps']} steps, then whole run:")
     for name, values in result["worth_by_window"].items():
         shown = " ".join("  n/a " if v is None else f"{v:+.3f}" for v in values)
         whole = result["worth_whole_run"][name]

@@ -119,7 +119,7 @@ def load_python_source(limit_chars: int = 3_000_000) -> tuple[str, str]:
     return "\n".join(parts), f"Python {sysconfig.get_python_version()} standard library source ({len(parts)} files)"
 
 
-def charlm_task(quick: bool = False, text_source: str = "kjv") -> Task:
+def charlm_task(quick: bool = False, text_source: str = "kjv", batch_size: int | None = None) -> Task:
     text, source = load_kjv_text() if text_source == "kjv" else load_python_source()
     vocab = sorted(set(text))
     codes = torch.tensor(np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32).astype(np.int64))
@@ -129,10 +129,11 @@ def charlm_task(quick: bool = False, text_source: str = "kjv") -> Task:
     train, val = split_blocks(data)
     if quick:
         shape = dict(d_model=32, n_heads=2, n_layers=1, context=32)
-        batch_size, steps, eval_every, n_val = 16, 80, 20, 32
+        default_batch, steps, eval_every, n_val = 16, 80, 20, 32
     else:
         shape = dict(d_model=96, n_heads=3, n_layers=3, context=64)
-        batch_size, steps, eval_every, n_val = 32, 600, 50, 64
+        default_batch, steps, eval_every, n_val = 32, 600, 50, 64
+    batch_size = batch_size or default_batch
     context = shape["context"]
     val_gen = torch.Generator().manual_seed(1234)
     val_starts = torch.randint(0, len(val) - context - 1, (n_val,), generator=val_gen)
@@ -191,6 +192,8 @@ def load_fashion() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, str]
 
 def _classifier_task(name: str, x_tr, y_tr, x_val, y_val, source: str, hidden: list[int], batch_size: int,
                      steps: int, eval_every: int, lr_grid: list[float], scale: float) -> Task:
+    if batch_size > len(x_tr):
+        raise ValueError(f"batch_size={batch_size} exceeds the {len(x_tr)} training samples of task {name!r}")
     x_tr = torch.tensor(x_tr, dtype=torch.float32) / scale
     y_tr = torch.tensor(y_tr, dtype=torch.long)
     x_val = torch.tensor(x_val, dtype=torch.float32) / scale
@@ -225,39 +228,50 @@ def _classifier_task(name: str, x_tr, y_tr, x_val, y_val, source: str, hidden: l
                 details=dict(hidden=hidden, batch_size=batch_size, train_size=len(x_tr), val_size=len(x_val)))
 
 
-def fashion_task(quick: bool = False) -> Task:
+def fashion_task(quick: bool = False, batch_size: int | None = None) -> Task:
     x_tr, y_tr, x_te, y_te, source = load_fashion()
     n_val = 2000
     return _classifier_task("fashion", x_tr, y_tr, x_te[:n_val], y_te[:n_val], source, hidden=[512, 256],
-                            batch_size=128, steps=200 if quick else 800, eval_every=25 if quick else 50,
+                            batch_size=batch_size or 128, steps=200 if quick else 800, eval_every=25 if quick else 50,
                             lr_grid=[3e-4, 1e-3, 3e-3], scale=255.0)
 
 
-def digits_task(quick: bool = False) -> Task:
+def digits_task(quick: bool = False, batch_size: int | None = None, name: str = "digits",
+                lr_grid: tuple[float, ...] = (1e-3, 3e-3, 1e-2)) -> Task:
     from sklearn.datasets import load_digits
 
     x, y = load_digits(return_X_y=True)
     order = np.random.default_rng(0).permutation(len(x))
     x, y = x[order], y[order]
     n_val = 360
-    return _classifier_task("digits", x[n_val:], y[n_val:], x[:n_val], y[:n_val],
+    return _classifier_task(name, x[n_val:], y[n_val:], x[:n_val], y[:n_val],
                             "scikit-learn digits (1797 8x8 images): 1437 train / 360 validation",
-                            hidden=[128], batch_size=64, steps=150 if quick else 300, eval_every=25,
-                            lr_grid=[1e-3, 3e-3, 1e-2], scale=16.0)
+                            hidden=[128], batch_size=batch_size or 64, steps=150 if quick else 300, eval_every=25,
+                            lr_grid=list(lr_grid), scale=16.0)
 
 
-def pylm_task(quick: bool = False) -> Task:
+def digits_full_task(quick: bool = False, batch_size: int | None = None) -> Task:
+    """Digits trained full-batch (every step sees all 1437 training images): no gradient noise.
+    A probe of the regime where predicted steps can be worth a real one, not a benchmark target."""
+    return digits_task(quick, batch_size=batch_size or 1437, name="digits-full", lr_grid=(3e-3, 1e-2, 3e-2))
+
+
+def pylm_task(quick: bool = False, batch_size: int | None = None) -> Task:
     """The charlm model on Python source: a source task for the nowcaster, not a benchmark task."""
-    return charlm_task(quick, text_source="python")
+    return charlm_task(quick, text_source="python", batch_size=batch_size)
 
 
-TASKS = {"charlm": charlm_task, "fashion": fashion_task, "digits": digits_task, "pylm": pylm_task}
+TASKS = {"charlm": charlm_task, "fashion": fashion_task, "digits": digits_task, "digits-full": digits_full_task,
+         "pylm": pylm_task}
 
 
-def get_task(name: str, quick: bool = False) -> Task:
+def get_task(name: str, quick: bool = False, batch_size: int | None = None) -> Task:
+    """The named task; ``batch_size`` replaces its default batch size (samples per step)."""
     if name not in TASKS:
         raise ValueError(f"task must be one of {sorted(TASKS)}, got {name!r}")
-    return TASKS[name](quick)
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+        raise ValueError(f"batch_size must be an int >= 1 or None, got {batch_size!r}")
+    return TASKS[name](quick, batch_size=batch_size)
 
 
 
