@@ -72,6 +72,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from ._dispatch import choose_backend, record
@@ -707,13 +708,15 @@ def _moment_sums_eager(ms: list[torch.Tensor], vs: list[torch.Tensor] | None) ->
 
 
 def _ring_stats_eager(history: StateHistory, ring: str, recent: int, alphas: tuple[float, float, float]) -> dict:
-    """Window statistics of one ring in float64 (same definitions as ``_ring_stats``)."""
-    x_all = history.values(ring).double()
-    count = x_all.numel()
-    age_all = torch.arange(count - 1, -1, -1, dtype=torch.float64, device=x_all.device)
-    finite = torch.isfinite(x_all)
+    """Window statistics of one ring in float64 (same definitions as ``_ring_stats``). NumPy, not
+    torch: a window holds at most a few hundred floats, where each torch op's dispatch (~5 µs)
+    costs far more than its arithmetic; with torch ops the encoding took ~4 ms per step."""
+    x_all = history.values(ring).detach().cpu().double().numpy()
+    count = x_all.size
+    age_all = np.arange(count - 1, -1, -1, dtype=np.float64)
+    finite = np.isfinite(x_all)
     x, age = x_all[finite], age_all[finite]
-    n = x.numel()
+    n = x.size
     zero = 0.0
     stats = {"n": float(n), "bad": float(count - n), "capacity": float(history.capacity(ring))}
     if n == 0:
@@ -721,38 +724,39 @@ def _ring_stats_eager(history: StateHistory, ring: str, recent: int, alphas: tup
                      detrended=zero, ema=[zero] * 3, recent_mean=zero, recent_std=zero, recent_slope=zero,
                      since_min=zero)
         return stats
-    mean, std = x.mean(), x.std(correction=0)
     slope, curvature, detrended = _fit_eager(x, -age)
     lo = x.min()
     emas = []
     for alpha in alphas:
-        w = torch.exp2(age * _log2_decay(alpha))
+        w = np.exp2(age * _log2_decay(alpha))
         emas.append(float((w * x).sum() / w.sum()))
     recent_mask = age < recent
     xr, ar = x[recent_mask], age[recent_mask]
-    if xr.numel():
-        r_mean, r_std = float(xr.mean()), float(xr.std(correction=0))
+    if xr.size:
+        r_mean, r_std = float(xr.mean()), float(xr.std())
         r_slope = _fit_eager(xr, -ar)[0]
     else:
         r_mean = r_std = r_slope = zero
-    stats.update(last=float(x[-1]), mean=float(mean), std=float(std), min=float(lo), max=float(x.max()),
+    stats.update(last=float(x[-1]), mean=float(x.mean()), std=float(x.std()), min=float(lo), max=float(x.max()),
                  slope=slope, curvature=curvature, detrended=detrended, ema=emas, recent_mean=r_mean,
                  recent_std=r_std, recent_slope=r_slope, since_min=float(age[x == lo].min()))
     return stats
 
 
-def _fit_eager(x: torch.Tensor, t: torch.Tensor) -> tuple[float, float, float]:
-    n = x.numel()
+def _fit_eager(x: np.ndarray, t: np.ndarray) -> tuple[float, float, float]:
+    """Least-squares slope, curvature (orthogonal quadratic term) and residual RMS of ``x`` over
+    times ``t`` (float64 arrays), in units of ``t``."""
+    n = x.size
     dt = t - t.mean()
-    scale = max(float(dt.abs().max()), 1.0)
+    scale = max(float(np.abs(dt).max()), 1.0)
     u = dt / scale
     dx = x - x.mean()
-    s_uu, s_uuu, s_xu = (u * u).sum(), (u * u * u).sum(), (u * dx).sum()
-    b_u = float(s_xu / s_uu) if n >= 2 and s_uu > 0 else 0.0
+    s_uu, s_uuu, s_xu = float((u * u).sum()), float((u * u * u).sum()), float((u * dx).sum())
+    b_u = s_xu / s_uu if n >= 2 and s_uu > 0 else 0.0
     q = u * u - s_uu / n - (s_uuu / s_uu if s_uu > 0 else 0.0) * u
     s_qq = float((q * q).sum())
     c_u = float((q * dx).sum()) / s_qq if n >= 3 and s_qq > 1e-12 else 0.0
-    residual = max(float((dx * dx).sum()) - b_u * float(s_xu), 0.0) / n
+    residual = max(float((dx * dx).sum()) - b_u * s_xu, 0.0) / n
     return b_u / scale, 2.0 * c_u / scale ** 2, math.sqrt(residual)
 
 
