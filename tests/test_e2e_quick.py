@@ -18,7 +18,7 @@ def test_quick_digits_writes_json_table_and_plot(tmp_path):
     assert set(result["lr_sweep"]) == {"0.001", "0.003", "0.01"}
     assert result["tuned_lr"] in (0.001, 0.003, 0.01)
     arms = result["arms"]
-    assert {"AdamW (tuned lr)", "AdamW (2x lr)", "HybridTrainer (default)"} <= set(arms)
+    assert {"AdamW (tuned lr)", "AdamW (2x lr)", "HybridTrainer (default)", "HybridTrainer (no-predict)"} <= set(arms)
     for name, arm in arms.items():
         summary = arm["summary"]
         for key in ("time_to_target_s", "backward_to_target", "val_loss_at_equal_time",
@@ -34,6 +34,11 @@ def test_quick_digits_writes_json_table_and_plot(tmp_path):
     hybrid = arms["HybridTrainer (default)"]
     assert "backward_saved_pct" in hybrid["summary"] and hybrid["seeds"][0]["hybrid"]["steps_by_phase"]
     assert (tmp_path / "e2e_quick.md").read_text().count("| HybridTrainer (default) |") == 1
+    # predict=False gives the tuned loop's weights step for step: the same passes to the target.
+    no_predict = arms["HybridTrainer (no-predict)"]
+    assert [s["backward_to_target"] for s in no_predict["seeds"]] == \
+        [s["backward_to_target"] for s in arms["AdamW (tuned lr)"]["seeds"]]
+    assert all(s["hybrid"]["predicted_steps"] == 0 for s in no_predict["seeds"])
     assert (tmp_path / "e2e_digits_quick.png").stat().st_size > 5000
 
 
