@@ -7,6 +7,7 @@ acceptance of earlier verifications), a rejection back-off, and optionally a Lin
 from __future__ import annotations
 
 import enum
+import math
 from collections import deque
 from typing import Callable
 
@@ -14,6 +15,12 @@ from .bandit import LinUCBBandit
 from .config import HybridConfig
 
 MAX_BACKOFF = 64
+# Early switch-off: after at least this many declined decisions in a row, stop predicting once the
+# worth's shortfall is significant, mean(worth − required) + EARLY_OFF_Z · standard error < 0.
+# Each decision's worth is an EMA over its own FULL phase, so decisions are roughly independent
+# samples; clear cases then stop recording after 3 decisions instead of max_consecutive_declines.
+EARLY_OFF_MIN_DECLINES = 3
+EARLY_OFF_Z = 2.0
 PREDICT_OFF_REASON = "HybridConfig.predict=False: every step is a real step"
 
 
@@ -43,6 +50,7 @@ class PhaseController:
         self.cycles = 0  # PREDICT→CORRECT cycles since the last FULL phase
         self.consecutive_rejections = 0
         self.consecutive_declines = 0
+        self.decline_margins: list[float] = []  # worth − required at each of those declines (when measured)
         self.backoff = 1
         self.last_predict_rejected = False
         self.disabled_reason: str | None = None if config.predict else PREDICT_OFF_REASON
@@ -87,12 +95,15 @@ class PhaseController:
         self.bandit_arm = self.bandit_context = None
 
     # -- the step clock ----------------------------------------------------------------------
-    def advance(self, confidence: Callable[[int], float], worth_ok: bool = True) -> None:
+    def advance(self, confidence: Callable[[int], float], worth_ok: bool = True,
+                worth_margin: float | None = None) -> None:
         """Count one finished step; at the end of a phase choose the next one.
 
         ``worth_ok``: the measured worth of a predicted step passes the trainer's gate. Only
         decisions declined for that reason count towards switching prediction off; a dynamics
-        model that is not confident yet delays prediction without ending it."""
+        model that is not confident yet delays prediction without ending it. ``worth_margin``:
+        measured worth minus required worth (None before the first measurement); a run of
+        declines whose margins are significantly negative switches off early."""
         self.phase_step += 1
         if self.phase_step < self.length:
             return
@@ -116,17 +127,32 @@ class PhaseController:
         if length is None:
             if self.prediction_enabled and not worth_ok:
                 self.consecutive_declines += 1
-                if self.consecutive_declines >= cfg.max_consecutive_declines:
+                if worth_margin is not None:
+                    self.decline_margins.append(float(worth_margin))
+                early = self._shortfall_is_significant()
+                if early or self.consecutive_declines >= cfg.max_consecutive_declines:
+                    shortfall = (f" (by {-sum(self.decline_margins) / len(self.decline_margins):.2f} on average, "
+                                 f"beyond {EARLY_OFF_Z:g} standard errors)" if early else "")
                     self.disabled_reason = (f"{self.consecutive_declines} phase decisions in a row found a predicted "
                                             "step worth less than it costs (min_predicted_worth plus the measured "
-                                            "cost of the prediction machinery); prediction is off for the rest of "
-                                            "the run")
+                                            f"cost of the prediction machinery){shortfall}; prediction is off for "
+                                            "the rest of the run")
             self.cycles = 0
             self._enter(Phase.FULL, cfg.full_steps * self.backoff)
         else:
             self._enter(Phase.PREDICT, length)
         if worth_ok:
             self.consecutive_declines = 0
+            self.decline_margins = []
+
+    def _shortfall_is_significant(self) -> bool:
+        margins = self.decline_margins
+        n = len(margins)
+        if n < EARLY_OFF_MIN_DECLINES:
+            return False
+        mean = sum(margins) / n
+        sd = math.sqrt(sum((m - mean) ** 2 for m in margins) / (n - 1))
+        return mean + EARLY_OFF_Z * sd / math.sqrt(n) < 0
 
     def _choose_length(self, confidence: Callable[[int], float]) -> int | None:
         cfg = self.config
@@ -154,7 +180,7 @@ class PhaseController:
         return {
             "phase": self.phase.value, "phase_step": self.phase_step, "length": self.length,
             "cycles": self.cycles, "consecutive_rejections": self.consecutive_rejections,
-            "consecutive_declines": self.consecutive_declines,
+            "consecutive_declines": self.consecutive_declines, "decline_margins": list(self.decline_margins),
             "backoff": self.backoff, "last_predict_rejected": self.last_predict_rejected,
             "disabled_reason": self.disabled_reason, "outcomes": list(self.outcomes),
             "bandit": None if self.bandit is None else self.bandit.state_dict(),
@@ -166,6 +192,7 @@ class PhaseController:
         self.phase_step, self.length = state["phase_step"], state["length"]
         self.cycles, self.consecutive_rejections = state["cycles"], state["consecutive_rejections"]
         self.consecutive_declines = state["consecutive_declines"]
+        self.decline_margins = list(state.get("decline_margins", []))  # absent in checkpoints before it existed
         self.backoff, self.last_predict_rejected = state["backoff"], state["last_predict_rejected"]
         # The resuming run's config has the last word on whether to predict at all; a switch-off
         # the earlier run measured (worth, rejections) stays.

@@ -190,7 +190,8 @@ class HybridTrainer:
         self.stats.time_by_phase_s[phase.value] += result.wall_time_s
         self.step_count += 1
         if not (phase is Phase.PREDICT and result.rolled_back):
-            self.controller.advance(self._confidence, worth_ok=self._worth_passes())
+            margin = None if self.predicted_worth is None else self.predicted_worth - self.required_worth()
+            self.controller.advance(self._confidence, worth_ok=self._worth_passes(), worth_margin=margin)
         if phase is Phase.PREDICT and self.controller.phase is not Phase.PREDICT and self.offloader is not None:
             self.offloader.prefetch()  # overlaps the copy back with whatever the caller does next
         if self.profiler is not None:
