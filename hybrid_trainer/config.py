@@ -32,9 +32,10 @@ class HybridConfig:
             worth at least this fraction of a real step: its first-order loss decrease
             ``−<g, s∘d>`` on fresh batches (EMA) over the measured loss decrease per real step.
             Below it predicting cannot pay for its verification.
-        max_consecutive_declines: phase decisions in a row that declined to predict (worth or
-            confidence too low) after which prediction is switched off for the run, so the
-            trainer stops recording and costs what the plain loop costs.
+        max_consecutive_declines: phase decisions in a row that declined to predict for low
+            worth after which prediction is switched off for the run, so the trainer stops
+            recording; from the 3rd such decision on it is switched off as soon as the shortfall
+            is significant (mean of ``worth − required`` plus two standard errors below zero).
         cost_aware: raise that threshold by the measured cost of the prediction machinery
             (recording, state encoder, dynamics model) per real step, times the real steps per
             predicted step of the schedule (:mod:`hybrid_trainer.cost`): on a model whose step
