@@ -52,6 +52,18 @@ CHECKPOINT_VERSION = 1
 WORTH_BETA = 0.9  # EMA factor of the predicted step's first-order gain
 
 
+def total_grad_norm(grads: list[torch.Tensor]) -> float:
+    """Global L2 norm of ``grads`` (0.0 for none); non-finite if any entry is. The same ops as
+    ``torch.nn.utils.get_total_norm`` when all grads share a device and dtype, without its
+    per-call grouping, which cost ~40 µs per step on a 4-tensor MLP (half of the norm)."""
+    if not grads:
+        return 0.0
+    first = grads[0]
+    if all(g.device == first.device and g.dtype == first.dtype for g in grads):
+        return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
+    return float(torch.nn.utils.get_total_norm(grads))
+
+
 @dataclass
 class StepResult:
     """What one ``trainer.step`` did."""
@@ -280,7 +292,7 @@ class HybridTrainer:
                 self.scaler.unscale_(self.optimizer)
             grads = [p.grad for p in self.params if p.grad is not None]
             if cfg.grad_clip is None:  # measure only: clip_grad_norm_(inf) would also rescale every grad by 1
-                grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+                grad_norm = total_grad_norm(grads)
             else:
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip))
         if self.scaler is not None and grad_norm is not None and not math.isfinite(grad_norm):
