@@ -95,19 +95,19 @@ class PhaseController:
         self.bandit_arm = self.bandit_context = None
 
     # -- the step clock ----------------------------------------------------------------------
-    def advance(self, confidence: Callable[[int], float], worth_ok: bool = True,
-                worth_margin: float | None = None) -> None:
+    def advance(self, confidence: Callable[[int], float], worth_margin: float | None) -> None:
         """Count one finished step; at the end of a phase choose the next one.
 
-        ``worth_ok``: the measured worth of a predicted step passes the trainer's gate. Only
-        decisions declined for that reason count towards switching prediction off; a dynamics
-        model that is not confident yet delays prediction without ending it. ``worth_margin``:
-        measured worth minus required worth (None before the first measurement); a run of
-        declines whose margins are significantly negative switches off early."""
+        ``worth_margin``: the measured worth of a predicted step minus the worth it must reach
+        (None before the first measurement, which counts as not reaching it). Only decisions
+        declined for low worth count towards switching prediction off (a dynamics model that is
+        not confident yet delays prediction without ending it), and a run of declines whose
+        margins are significantly negative switches it off early."""
         self.phase_step += 1
         if self.phase_step < self.length:
             return
         cfg = self.config
+        worth_ok = worth_margin is not None and worth_margin >= 0
         if self.phase is Phase.PREDICT:  # completed without a rejection
             self.consecutive_rejections = 0
             self.backoff = 1

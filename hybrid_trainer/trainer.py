@@ -202,8 +202,7 @@ class HybridTrainer:
         self.stats.time_by_phase_s[phase.value] += result.wall_time_s
         self.step_count += 1
         if not (phase is Phase.PREDICT and result.rolled_back):
-            margin = None if self.predicted_worth is None else self.predicted_worth - self.required_worth()
-            self.controller.advance(self._confidence, worth_ok=self._worth_passes(), worth_margin=margin)
+            self.controller.advance(self._confidence, worth_margin=self._worth_margin())
         if phase is Phase.PREDICT and self.controller.phase is not Phase.PREDICT and self.offloader is not None:
             self.offloader.prefetch()  # overlaps the copy back with whatever the caller does next
         if self.profiler is not None:
@@ -413,8 +412,13 @@ class HybridTrainer:
             self.cost.observe(part, seconds)
 
     # ------------------------------------------------------------------- predicted steps ----
+    def _worth_margin(self) -> float | None:
+        """Measured worth of a predicted step minus the required worth; None before it is measured."""
+        return None if self.predicted_worth is None else self.predicted_worth - self.required_worth()
+
     def _worth_passes(self) -> bool:
-        return self.predicted_worth is not None and self.predicted_worth >= self.required_worth()
+        margin = self._worth_margin()
+        return margin is not None and margin >= 0
 
     def required_worth(self) -> float:
         """Worth a predicted step needs to pay: ``min_predicted_worth`` plus, when ``cost_aware``,

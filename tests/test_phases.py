@@ -11,17 +11,17 @@ def never_confident(horizon):
     return 0.0
 
 
-def finish_phase(controller, worth_ok, margin):
-    """Advance to the end of the current phase; the decision sees (worth_ok, margin)."""
+def finish_phase(controller, margin):
+    """Advance to the end of the current phase; the decision sees ``worth − required = margin``."""
     for _ in range(controller.length - controller.phase_step):
-        controller.advance(never_confident, worth_ok=worth_ok, worth_margin=margin)
+        controller.advance(never_confident, worth_margin=margin)
 
 
 def decisions_until_off(margins):
     controller = PhaseController(CONFIG)
-    finish_phase(controller, False, None)  # WARMUP → FULL, no decision
+    finish_phase(controller, None)  # WARMUP → FULL, no decision
     for n, margin in enumerate(margins, start=1):
-        finish_phase(controller, False, margin)
+        finish_phase(controller, margin)
         if not controller.prediction_enabled:
             return n, controller
     return None, controller
@@ -46,15 +46,15 @@ def test_unmeasured_worth_counts_towards_the_limit_only():
 
 def test_a_passing_worth_resets_the_evidence():
     controller = PhaseController(CONFIG)
-    finish_phase(controller, False, None)
-    finish_phase(controller, False, -0.3)
-    finish_phase(controller, False, -0.3)
+    finish_phase(controller, None)
+    finish_phase(controller, -0.3)
+    finish_phase(controller, -0.3)
     # Worth passes but the dynamics model is not confident: no PREDICT, no decline, evidence reset.
-    finish_phase(controller, True, 0.05)
+    finish_phase(controller, 0.05)
     assert controller.phase is Phase.FULL and controller.consecutive_declines == 0
     assert controller.decline_margins == []
-    finish_phase(controller, False, -0.3)
-    finish_phase(controller, False, -0.3)
+    finish_phase(controller, -0.3)
+    finish_phase(controller, -0.3)
     assert controller.prediction_enabled
 
 
