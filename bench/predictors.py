@@ -39,6 +39,7 @@ import sys
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from .tasks import get_task
 
@@ -77,7 +78,8 @@ def measure(task_name: str, steps: int, lr: float | None, seed: int = 0, windows
     last_update = None
     raw: dict[str, list[tuple[float, float]]] = {}  # name -> per step (predicted gain, real gain)
     losses = []
-    for step in range(steps):
+    for step in tqdm(range(steps), desc=f"{task_name} batch {task.details['batch_size']}", unit="step",
+                     file=sys.stderr, disable=None, leave=False):
         batch = next(stream)
         optimizer.zero_grad(set_to_none=True)
         loss = task.loss_fn(model, batch)
