@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import math
+import statistics
 from collections import deque
 from typing import Callable
 
@@ -131,7 +132,7 @@ class PhaseController:
                     self.decline_margins.append(float(worth_margin))
                 early = self._shortfall_is_significant()
                 if early or self.consecutive_declines >= cfg.max_consecutive_declines:
-                    shortfall = (f" (by {-sum(self.decline_margins) / len(self.decline_margins):.2f} on average, "
+                    shortfall = (f" (by {-statistics.fmean(self.decline_margins):.2f} on average, "
                                  f"beyond {EARLY_OFF_Z:g} standard errors)" if early else "")
                     self.disabled_reason = (f"{self.consecutive_declines} phase decisions in a row found a predicted "
                                             "step worth less than it costs (min_predicted_worth plus the measured "
@@ -147,12 +148,10 @@ class PhaseController:
 
     def _shortfall_is_significant(self) -> bool:
         margins = self.decline_margins
-        n = len(margins)
-        if n < EARLY_OFF_MIN_DECLINES:
+        if len(margins) < EARLY_OFF_MIN_DECLINES:
             return False
-        mean = sum(margins) / n
-        sd = math.sqrt(sum((m - mean) ** 2 for m in margins) / (n - 1))
-        return mean + EARLY_OFF_Z * sd / math.sqrt(n) < 0
+        standard_error = statistics.stdev(margins) / math.sqrt(len(margins))
+        return statistics.fmean(margins) + EARLY_OFF_Z * standard_error < 0
 
     def _choose_length(self, confidence: Callable[[int], float]) -> int | None:
         cfg = self.config

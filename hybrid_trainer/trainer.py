@@ -384,7 +384,7 @@ class HybridTrainer:
             h.push_grad_norm(grad_norm)
         if update_norm is not None:
             h.push_update_norm(update_norm)
-        if phase is Phase.WARMUP or not (self.controller.prediction_enabled and self._worth_passes()):
+        if phase is Phase.WARMUP or not self._worth_passes():
             # The encoder and the dynamics model decide when and how long to predict, which is
             # moot while a predicted step is not worth it; on small models they cost as much as
             # the step itself, so they wait for the gate (the rings above keep filling).
