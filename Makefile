@@ -49,12 +49,16 @@ bench: $(STAMP)
 bench-e2e: data
 	$(PY) -m bench.e2e --out docs/results
 
-# Learned nowcaster and trajectory jumps (~25 min): fit on source tasks, evaluate on fashion and
-# charlm, write docs/results/nowcast.md.
+# Learned nowcaster, cross-parameter (DMD) nowcasts and trajectory jumps (~35 min): fit on source
+# tasks, evaluate on fashion and charlm, write docs/results/nowcast.md.
 bench-nowcast: data
 	$(PY) -m bench.nowcast train --out docs/results
 	$(PY) -m bench.nowcast evaluate --task fashion --seeds 3 --arms floor:0 floor:1 floor:2 smooth:4 average:0 drift:1 learned:1 --out docs/results
+	$(PY) -m bench.nowcast evaluate --task fashion --seeds 3 --arms floor:0 floor-reset:0 floor-reset:1 average:0 --tag floor_reset --out docs/results
+	$(PY) -m bench.nowcast evaluate --task fashion --seeds 3 --arms dmd:1 dmd:4 --tag dmd --out docs/results
 	$(PY) -m bench.nowcast evaluate --task charlm --seeds 2 --arms floor:0 floor:1 smooth:4 average:0 drift:1 learned:1 --out docs/results
+	$(PY) -m bench.nowcast dmd --task fashion --out docs/results
+	$(PY) -m bench.nowcast dmd --task charlm --out docs/results
 	$(PY) -m bench.nowcast report --out docs/results
 
 # Worth of predicted steps against batch size, and full-batch digits end to end (~10 min):

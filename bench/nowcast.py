@@ -2,6 +2,7 @@
 
     python -m bench.nowcast train     [--out docs/results]   # records source tasks, writes the asset
     python -m bench.nowcast evaluate  --task charlm [--seeds 2] [--out docs/results]
+    python -m bench.nowcast dmd       --task fashion [--out docs/results]  # cross-parameter linear modes
     python -m bench.nowcast report    [--out docs/results]   # nowcast.md from the JSON files
 
 ``train`` records AdamW trajectories (a snapshot every ``EVERY`` steps) on *source* tasks only:
@@ -17,7 +18,14 @@ nowcast (drift rule or learned, at each horizon), checks the jump with two forwa
 separate verification batch (loss before vs after) and undoes it if the loss rose. Reported per
 arm: validation loss over steps and over training time, jumps accepted, steps and time to the
 target (the plain arm's validation loss at 80% of its steps), final validation loss. Writes
-``<out>/nowcast_<task>.json`` and ``.png``.
+``<out>/nowcast_<task>.json`` and ``.png`` (``nowcast_<task>_<tag>.*`` with ``--tag``).
+
+``dmd`` asks whether the weights' future motion is predictable *across* parameters: it records a
+plain AdamW run with a snapshot every step and, every ``DMD_ORIGIN_EVERY`` steps, fits a
+dynamic mode decomposition (one low-rank linear map of all weights' displacements,
+``bench.nowcaster.dmd_nowcast``) to the last ``DMD_WINDOW`` displacements at several snapshot
+spacings and ranks, then compares its prediction of the displacement 10 and 40 steps ahead with
+what happened. Writes ``<out>/dmd_predictability_<task>.json``.
 """
 from __future__ import annotations
 
@@ -32,7 +40,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .nowcaster import ASSET, Nowcaster, SnapshotHistory, drift_nowcast, element_features
+from .nowcaster import ASSET, Nowcaster, SnapshotHistory, dmd_nowcast, drift_nowcast, element_features
 
 from .tasks import get_task
 
@@ -46,6 +54,8 @@ SOURCES = [("pylm", 1e-3, 0), ("pylm", 2e-3, 1), ("pylm", 4e-3, 2),
 HELD_OUT = ("pylm", 2e-3, 1)  # the source run whose samples validate the fit
 WARMUP = 50  # real steps before the first jump
 EVAL_EVERY = 25  # validation interval of the jump arms: finer than the tasks' own, to resolve ~1.1x
+DMD_EVERY = 2  # real steps between the snapshots the DMD nowcast fits (20 displacements per jump)
+DMD_RANK = 8  # leading directions of those displacements it keeps
 
 
 # ------------------------------------------------------------------------------ recording ----
@@ -169,6 +179,55 @@ def train(out: Path, epochs: int = 6, per_index: int = 4000, seed: int = 0) -> d
     return report
 
 
+# ------------------------------------------------------------------- DMD predictability ----
+DMD_WINDOW = 20  # displacements each DMD fit sees
+DMD_SPACINGS = (1, 2, 5, 10)  # real steps between its snapshots
+DMD_RANKS = (1, 4, 8)
+DMD_AHEAD = (10, 40)  # real steps predicted ahead
+DMD_ORIGIN_EVERY = 10  # real steps between the points a prediction is made from
+
+
+def dmd_predictability(task_name: str, out: Path, lr: float | None = None, seed: int = 0) -> dict:
+    """Relative squared error of the DMD nowcast (cross-parameter linear modes) of the weights'
+    displacement ``ahead`` real steps on, against the drift rule, on one recorded AdamW run.
+
+    Summed over every element and over prediction points every ``DMD_ORIGIN_EVERY`` steps (from
+    the first point with a full window), 1.0 = predicting no movement, as in ``train``."""
+    task = get_task(task_name)
+    lr = lr if lr is not None else sorted(task.lr_grid)[len(task.lr_grid) // 2]
+    snaps, _ = record(task_name, lr, seed, every=1)
+    first = DMD_WINDOW * max(DMD_SPACINGS)  # the same prediction points for every spacing
+    errors = {f"{every}": {"drift": {}} for every in DMD_SPACINGS}  # [spacing][rank or "drift"][ahead]
+    grid = [(every, rank) for every in DMD_SPACINGS for rank in DMD_RANKS]
+    for every, rank in tqdm(grid, desc=f"DMD fits on {task_name}"):
+        for ahead in DMD_AHEAD:
+            err = {"dmd": 0.0, "drift": 0.0}
+            norm = 0.0
+            for t in range(first, len(snaps) - ahead, DMD_ORIGIN_EVERY):
+                window = snaps[t - DMD_WINDOW * every:t + 1:every]
+                disp = (window[1:] - window[:-1]).flip(0)  # newest first
+                true = snaps[t + ahead] - snaps[t]
+                norm += float(true.square().sum())
+                err["dmd"] += float((dmd_nowcast(disp, ahead // every, rank) - true).square().sum())
+                err["drift"] += float((drift_nowcast(disp, ahead // every) - true).square().sum())
+            errors[f"{every}"].setdefault(f"{rank}", {})[f"{ahead}"] = err["dmd"] / norm
+            errors[f"{every}"].setdefault("drift", {})[f"{ahead}"] = err["drift"] / norm
+    result = dict(command=f"python -m bench.nowcast dmd --task {task_name}",
+                  date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), torch=torch.__version__,
+                  task=task_name, data_source=task.data_source, lr=lr, seed=seed, steps=len(snaps) - 1,
+                  window=DMD_WINDOW, origin_every=DMD_ORIGIN_EVERY, first_origin=first,
+                  relative_error=errors)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"dmd_predictability_{task_name}.json").write_text(json.dumps(result, indent=1))
+    print(f"{task_name} (lr {lr}): relative squared error of the displacement ahead (1 = no movement)")
+    for every, by_rank in errors.items():
+        for name, by_ahead in by_rank.items():
+            label = "drift" if name == "drift" else f"DMD rank {name}"
+            print(f"  snapshots every {every:>2s} steps, {label:10s}: "
+                  + ", ".join(f"{a} steps ahead {e:.3f}" for a, e in by_ahead.items()))
+    return result
+
+
 # ----------------------------------------------------------------------------- evaluation ----
 AVG_BETAS = (0.9, 0.98)  # weight averages for the smoothed-trajectory nowcasts
 
@@ -186,13 +245,16 @@ def run_arm(task, lr: float, seed: int, method: str | None, horizon: int, model:
     difference), for ``horizon·EVERY`` steps; ``floor`` jumps to the fast average moved forward
     by its lag plus that horizon (where the smoothed trajectory will be, without the iterate's
     oscillation); ``floor-reset`` also zeroes Adam's first moment after a kept jump; ``average``
-    never jumps but is evaluated at the lag-corrected average (a control)."""
+    never jumps but is evaluated at the lag-corrected average (a control); ``dmd`` fits a
+    linear map to the displacements of all weights between snapshots every ``DMD_EVERY`` steps
+    since the last jump and sums its powers ``horizon·EVERY`` steps ahead (``dmd_nowcast``)."""
     torch.manual_seed(seed)
     net = task.make_model(seed)
     params = [p for p in net.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr)
     stream, checks = task.batches(seed), task.batches(seed + 7919)  # verification batches: their own stream
-    history = SnapshotHistory(params, CONTEXT, EVERY) if method in ("drift", "learned") else None
+    history = (SnapshotHistory(params, CONTEXT, EVERY) if method in ("drift", "learned") else
+               SnapshotHistory(params, CONTEXT * EVERY // DMD_EVERY, DMD_EVERY) if method == "dmd" else None)
     averages = ([[p.detach().clone() for p in params] for _ in AVG_BETAS]
                 if method in ("smooth", "floor", "floor-reset", "average") else None)
     ahead = horizon * EVERY
@@ -213,8 +275,9 @@ def run_arm(task, lr: float, seed: int, method: str | None, horizon: int, model:
                 history.observe_real_step()
                 if step >= WARMUP and history.ready:
                     disp = history.displacements()
-                    flat = (drift_nowcast(disp, horizon) if method == "drift"
-                            else model.predict(disp, history.sizes, horizon))
+                    flat = (drift_nowcast(disp, horizon) if method == "drift" else
+                            dmd_nowcast(disp, ahead // DMD_EVERY, DMD_RANK) if method == "dmd" else
+                            model.predict(disp, history.sizes, horizon))
                     delta = [v.view_as(p) for v, p in zip(flat.split(history.sizes), params)]
                     history.reset()
             if delta is not None:
@@ -263,7 +326,7 @@ def _crossing(curve: list[dict], target: float) -> dict | None:
     return None
 
 
-def evaluate(task_name: str, seeds: int, out: Path, lr: float | None, arms: list[str]) -> dict:
+def evaluate(task_name: str, seeds: int, out: Path, lr: float | None, arms: list[str], tag: str | None = None) -> dict:
     task = get_task(task_name)
     lr = lr if lr is not None else sorted(task.lr_grid)[len(task.lr_grid) // 2]
     model = Nowcaster.load() if any(a.startswith("learned") for a in arms) else None
@@ -296,13 +359,15 @@ def evaluate(task_name: str, seeds: int, out: Path, lr: float | None, arms: list
             if len(reached) == seeds else None,
             jumps=len(jumps), jumps_accepted=sum(j["accepted"] for j in jumps),
             mean_train_time_s=statistics.mean(r["train_time_s"] for r in rs))
-    result = dict(command=f"python -m bench.nowcast evaluate --task {task_name} --seeds {seeds} --arms {' '.join(arms)}",
+    stem = f"nowcast_{task_name}" + (f"_{tag}" if tag else "")
+    result = dict(command=f"python -m bench.nowcast evaluate --task {task_name} --seeds {seeds} --arms {' '.join(arms)}"
+                  + (f" --tag {tag}" if tag else ""),
                   date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), torch=torch.__version__,
                   threads=torch.get_num_threads(), task=task_name, data_source=task.data_source, lr=lr,
                   every=EVERY, context=CONTEXT, warmup=WARMUP, nowcaster=model.meta if model else None, summary=summary, runs=runs)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"nowcast_{task_name}.json").write_text(json.dumps(result, indent=1))
-    plot(result, out / f"nowcast_{task_name}.png")
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    plot(result, out / f"{stem}.png")
     print(f"{task_name} (lr {lr}, {seeds} seeds): target = plain AdamW's val loss at 80% of {task.steps} steps")
     print(f"  {'arm':38s} {'final val':>9s} {'reached':>7s} {'steps':>6s} {'speed-up':>8s} {'time s':>7s} {'jumps kept':>10s}")
     for name, s in summary.items():
@@ -358,50 +423,78 @@ def report(out: Path) -> str:
                              f"{errs['oracle-scaled drift'][h]:.3f} | – |")
         lines.append("")
     for task in ("fashion", "charlm"):
-        path = out / f"nowcast_{task}.json"
-        if not path.exists():
-            continue
-        r = json.loads(path.read_text())
-        lines += [f"## {task}: AdamW with verified jumps (`{r['command']}`, {r['date']}, {r['threads']} thread)", "",
-                  f"{r['data_source']}; lr {r['lr']}; a jump every {r['every'] * r['context']} steps after step "
-                  f"{r['warmup']}, kept only if the loss on a separate batch fell. Target: plain AdamW's validation "
-                  "loss at 80% of its steps (per seed); speed-up in steps to it (evaluated every "
-                  f"{r['runs']['plain AdamW'][0]['curve'][1]['step'] - r['runs']['plain AdamW'][0]['curve'][0]['step']} "
-                  "steps).", "",
-                  "| arm | final val loss | reached | steps to target | step speed-up | train time (s) | jumps kept "
-                  "| median loss change at a jump |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for name, s_ in r["summary"].items():
-            steps_ = "–" if s_["steps_to_target"] is None else f"{s_['steps_to_target']:.0f}"
-            speed = "–" if s_["step_speedup"] is None else f"{s_['step_speedup']:.2f}×"
-            jumps = [j for run in r["runs"][name] for j in run["jumps"]]
-            change = (f"{100 * statistics.median((j['after'] - j['before']) / j['before'] for j in jumps):+.2f}%"
-                      if jumps else "–")
-            lines.append(f"| {name} | {s_['final_val_loss']:.4f} | {s_['reached']} | {steps_} | {speed} | "
-                         f"{s_['mean_train_time_s']:.1f} | {s_['jumps_accepted']}/{s_['jumps']} | {change} |")
-        lines.append("")
-        lines.append(f"Validation loss over steps: `nowcast_{task}.png`.")
-        lines.append("")
+        path = out / f"dmd_predictability_{task}.json"
+        if path.exists():
+            lines += _dmd_table(json.loads(path.read_text()))
+    for task in ("fashion", "charlm"):
+        for path in [out / f"nowcast_{task}.json"] + sorted(out.glob(f"nowcast_{task}_*.json")):
+            if path.exists():
+                lines += _jump_table(json.loads(path.read_text()), path.stem)
     text = "\n".join(lines)
     (out / "nowcast.md").write_text(text)
     return text
 
 
+def _dmd_table(r: dict) -> list[str]:
+    ranks = [k for k in next(iter(r["relative_error"].values())) if k != "drift"]
+    aheads = list(next(iter(r["relative_error"].values()))["drift"])
+    lines = [f"## {r['task']}: cross-parameter linear modes (DMD) (`{r['command']}`, {r['date']})", "",
+             f"{r['data_source']}; plain AdamW, lr {r['lr']}, seed {r['seed']}, {r['steps']} steps. Every "
+             f"{r['origin_every']} steps from step {r['first_origin']}, a DMD fit to the last {r['window']} "
+             "displacements between snapshots predicts the displacement ahead. Relative squared error over "
+             "every element and prediction point, 1.0 = predicting no movement.", "",
+             "| snapshot spacing | " + " | ".join(f"{name}, {a} steps" for name in ["drift"] + [f"DMD rank {k}" for k in ranks]
+                                                 for a in aheads) + " |",
+             "|---|" + "---|" * (len(aheads) * (1 + len(ranks)))]
+    for every, by_rank in r["relative_error"].items():
+        lines.append(f"| {every} steps | " + " | ".join(f"{by_rank[name][a]:.3f}" for name in ["drift"] + ranks
+                                                        for a in aheads) + " |")
+    return lines + [""]
+
+
+def _jump_table(r: dict, stem: str) -> list[str]:
+    task = r["task"]
+    lines = [f"## {task}: AdamW with verified jumps (`{r['command']}`, {r['date']}, {r['threads']} thread)", "",
+             f"{r['data_source']}; lr {r['lr']}; a jump every {r['every'] * r['context']} steps after step "
+             f"{r['warmup']}, kept only if the loss on a separate batch fell. Target: plain AdamW's validation "
+             "loss at 80% of its steps (per seed); speed-up in steps to it (evaluated every "
+             f"{r['runs']['plain AdamW'][0]['curve'][1]['step'] - r['runs']['plain AdamW'][0]['curve'][0]['step']} "
+             "steps).", "",
+             "| arm | final val loss | reached | steps to target | step speed-up | train time (s) | jumps kept "
+             "| median loss change at a jump |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, s_ in r["summary"].items():
+        steps_ = "–" if s_["steps_to_target"] is None else f"{s_['steps_to_target']:.0f}"
+        speed = "–" if s_["step_speedup"] is None else f"{s_['step_speedup']:.2f}×"
+        jumps = [j for run in r["runs"][name] for j in run["jumps"]]
+        change = (f"{100 * statistics.median((j['after'] - j['before']) / j['before'] for j in jumps):+.2f}%"
+                  if jumps else "–")
+        lines.append(f"| {name} | {s_['final_val_loss']:.4f} | {s_['reached']} | {steps_} | {speed} | "
+                     f"{s_['mean_train_time_s']:.1f} | {s_['jumps_accepted']}/{s_['jumps']} | {change} |")
+    lines.append("")
+    lines.append(f"Validation loss over steps: `{stem}.png`.")
+    lines.append("")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=["train", "evaluate", "report"])
+    parser.add_argument("command", choices=["train", "evaluate", "dmd", "report"])
     parser.add_argument("--task", default="charlm")
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--lr", type=float, default=None)
     parser.add_argument("--arms", nargs="+", default=[f"{m}:{h}" for m in ("drift", "learned") for h in HORIZONS],
-                        help="method:horizon pairs, method in {drift, learned, smooth, floor, floor-reset, average}, horizon in snapshot intervals")
+                        help="method:horizon pairs, method in {drift, learned, dmd, smooth, floor, floor-reset, average}, horizon in snapshot intervals")
     parser.add_argument("--out", type=Path, default=Path("docs/results"))
+    parser.add_argument("--tag", default=None, help="evaluate: write nowcast_<task>_<tag>.json instead of nowcast_<task>.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.command == "train":
         train(args.out)
     elif args.command == "evaluate":
-        evaluate(args.task, args.seeds, args.out, args.lr, args.arms)
+        evaluate(args.task, args.seeds, args.out, args.lr, args.arms, args.tag)
+    elif args.command == "dmd":
+        dmd_predictability(args.task, args.out, args.lr)
     else:
         print(report(args.out))
     return 0

@@ -9,8 +9,9 @@ it is trained on trajectories recorded from *other* tasks (``python -m bench.now
 weights in ``docs/results/nowcaster.pt``). Measured not to pay (docs/results/nowcast_*.json), so
 it lives with the benchmark as evidence, not in the trainer.
 
-Two rule-based nowcasts share the interface, so the benchmark compares like with like:
-``"drift"`` (the mean displacement continued for ``h`` intervals) and ``"learned"``.
+Rule-based nowcasts share the interface, so the benchmark compares like with like:
+``drift_nowcast`` (the mean displacement continued for ``h`` intervals) and ``dmd_nowcast``
+(cross-parameter: a low-rank linear map of all weights' displacements, iterated ahead).
 
 Features per element (all dimensionless): ``d_j / s`` for j = 1..k, and
 ``log(s / S)`` where ``S`` is the mean of ``s`` over the element's tensor, which tells a weight
@@ -155,3 +156,43 @@ class Nowcaster(nn.Module):
 def drift_nowcast(disp: torch.Tensor, horizon: int) -> torch.Tensor:
     """Rule-based nowcast: the mean displacement over the context, continued ``horizon`` intervals."""
     return disp.mean(0).mul_(horizon)
+
+
+def dmd_nowcast(disp: torch.Tensor, ahead: int, rank: int = 8) -> torch.Tensor:
+    """Dynamic-mode-decomposition nowcast: the displacement over the next ``ahead`` intervals.
+
+    Unlike the element-wise rules above it is cross-parameter: it fits one linear map ``A`` with
+    ``d(t+1) = A d(t)`` to the last displacements of *all* weights, restricted to their ``rank``
+    leading directions, and sums ``A d, A² d, …, A^ahead d`` from the newest one. Eigenvalues near
+    1 are the trajectory's drift (continued), near −1 the iterate's oscillation (summing to about
+    nothing), inside the unit disk transients (summing to where they settle). Moduli above 1 are
+    clipped to 1, so a fit on noise cannot extrapolate to a blow-up.
+
+    Args:
+        disp: [k, N] displacements between consecutive snapshots, newest first (k >= 3).
+        ahead: snapshot intervals to predict (>= 1).
+        rank: number of leading directions of the displacements kept (<= k − 1).
+    Returns:
+        [N] predicted displacement, same dtype as ``disp``.
+    """
+    if disp.dim() != 2 or disp.shape[0] < 3:
+        raise ValueError(f"disp must be [k >= 3, N], got shape {tuple(disp.shape)}")
+    if ahead < 1 or rank < 1:
+        raise ValueError(f"ahead and rank must be >= 1, got ahead={ahead}, rank={rank}")
+    d = disp.flip(0).double()  # oldest first; double: the Gram matrix squares the condition number
+    before, after = d[:-1], d[1:]  # [k-1, N]: d(t) and d(t+1)
+    # Leading directions from the small Gram matrix instead of an SVD of the tall [N, k-1] one.
+    evals, evecs = torch.linalg.eigh(before @ before.T)
+    evals, evecs = evals.flip(0), evecs.flip(1)
+    keep = int(min(rank, int((evals > evals[0] * 1e-10).sum())))
+    sigma = evals[:keep].clamp_min(0).sqrt()
+    basis = (evecs[:, :keep].T @ before) / sigma[:, None]  # [r, N] orthonormal rows (U^T)
+    reduced = basis @ after.T @ evecs[:, :keep] / sigma  # [r, r]: U^T A U
+    lam, modes = torch.linalg.eig(reduced)
+    lam = torch.where(lam.abs() > 1, lam / lam.abs(), lam)
+    amplitudes = torch.linalg.solve(modes, (basis @ d[-1]).to(modes.dtype))
+    near_one = (lam - 1).abs() < 1e-9
+    safe = torch.where(near_one, torch.zeros_like(lam), lam)
+    geometric = torch.where(near_one, torch.full_like(lam, ahead),
+                            safe * (1 - safe ** ahead) / (1 - safe + near_one.to(lam.dtype)))
+    return (basis.T @ (modes @ (geometric * amplitudes)).real).to(disp.dtype)

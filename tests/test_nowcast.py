@@ -1,9 +1,10 @@
 """Weight-nowcasting experiment (bench/nowcast.py, bench/nowcaster.py): the pieces whose errors
 would silently change what the benchmark reports."""
+import pytest
 import torch
 
 from bench import nowcast
-from bench.nowcaster import Nowcaster, SnapshotHistory, drift_nowcast, element_features
+from bench.nowcaster import Nowcaster, SnapshotHistory, dmd_nowcast, drift_nowcast, element_features
 from bench.tasks import get_task
 
 
@@ -104,3 +105,37 @@ def test_training_samples_and_error_measure_on_a_straight_trajectory():
     assert set(errors) == {"drift", "oracle-scaled drift"}
     for name in errors:
         assert errors[name][1] < 1e-10 and errors[name][3] < 1e-10
+
+
+def _modal_trajectory(steps: int, n: int = 300, growth: float = 1.0):
+    """θ(t) = c + v t + (−0.9)^t o + 0.7^t e + growth^t g: drift, oscillation, transient (and a
+    growing mode when growth > 1), each along its own random direction."""
+    gen = torch.Generator().manual_seed(0)
+    c, v, o, e, g = (torch.randn(n, generator=gen, dtype=torch.float64) for _ in range(5))
+    theta = lambda t: c + 0.05 * v * t + (-0.9) ** t * o + 0.7 ** t * e + (0.1 * growth ** t * g if growth > 1 else 0)  # noqa: E731
+    return theta, torch.stack([theta(t) for t in range(steps + 1)])
+
+
+def test_dmd_nowcast_is_exact_on_a_trajectory_of_few_linear_modes():
+    theta, snaps = _modal_trajectory(12)
+    disp = (snaps[1:] - snaps[:-1]).flip(0)  # newest first
+    for ahead in (1, 7, 30):
+        torch.testing.assert_close(dmd_nowcast(disp, ahead, rank=8), theta(12 + ahead) - theta(12))
+    # Too few directions kept: not exact any more (the test would notice a rank that is ignored).
+    assert not torch.allclose(dmd_nowcast(disp, 7, rank=1), theta(19) - theta(12), atol=1e-3)
+    # The drift rule averages the oscillation and transient into its slope instead.
+    assert not torch.allclose(drift_nowcast(disp, 7), theta(19) - theta(12), atol=1e-3)
+
+
+def test_dmd_nowcast_clips_growing_modes_instead_of_extrapolating_a_blow_up():
+    _, snaps = _modal_trajectory(12, growth=1.3)
+    disp = (snaps[1:] - snaps[:-1]).flip(0)
+    ahead = 40
+    prediction = dmd_nowcast(disp, ahead, rank=8)
+    assert torch.isfinite(prediction).all()
+    # A modulus clipped to 1 continues that mode at most ``ahead`` times its current displacement;
+    # unclipped, 1.3^40 would make it ~3.6e4 times larger.
+    assert prediction.norm() < 2 * ahead * disp[0].norm()
+    for bad in (dict(disp=disp[:2], ahead=1), dict(disp=disp, ahead=0), dict(disp=disp[0], ahead=1)):
+        with pytest.raises(ValueError):
+            dmd_nowcast(**bad)
