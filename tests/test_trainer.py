@@ -190,6 +190,33 @@ def test_gradient_accumulation_takes_micro_batches(stream):
         trainer.step(stream[2])
 
 
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_real_steps_are_the_plain_loop_for_any_loss_shape_and_accumulation(stream, accumulation):
+    """The trainer divides each micro-batch loss by their number (and skips the division by 1) and
+    accepts a one-element loss of any shape: the weights still equal the plain loop's bit for bit."""
+    def one_element_loss(model, batch):
+        return cross_entropy(model, batch).reshape(1, 1)
+
+    model = mlp(0)
+    trainer = HybridTrainer(model, torch.optim.AdamW(model.parameters(), lr=0.05), one_element_loss,
+                            HybridConfig(**{**FAST, "predict": False, "grad_accumulation": accumulation}))
+    plain = mlp(0)
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=0.05)
+    for start in range(0, 12 * accumulation, accumulation):
+        micro = stream[start:start + accumulation]
+        result = trainer.step(micro if accumulation > 1 else micro[0])
+        optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for batch in micro:
+            loss = cross_entropy(plain, batch) / accumulation if accumulation > 1 else cross_entropy(plain, batch)
+            total += float(loss.detach())
+            loss.backward()
+        optimizer.step()
+        assert result.loss == total
+    for p, q in zip(trainer.params, plain.parameters()):
+        assert torch.equal(p.detach(), q.detach())
+
+
 def test_bfloat16_autocast_on_cpu(stream):
     trainer = make_trainer(autocast_dtype="bfloat16")
     results = [trainer.step(b) for b in stream[:12]]
