@@ -273,7 +273,11 @@ class HybridTrainer:
         cfg = self.config
         started = time.perf_counter()
         self._machinery_s = 0.0  # time spent on prediction machinery during this step
-        self.optimizer.zero_grad(set_to_none=True)
+        # Every step ends by setting the gradients to None, so only gradients left by someone else
+        # (the caller's own backward, a step that raised) need clearing; a zero_grad with nothing
+        # to clear still costs 30-45 µs per step (its profiler scope) on the MLP benchmarks.
+        if any(p.grad is not None for group in self.optimizer.param_groups for p in group["params"]):
+            self.optimizer.zero_grad(set_to_none=True)
         micro = self._micro_batches(batch)
         total = 0.0
         for part in micro:

@@ -217,6 +217,30 @@ def test_real_steps_are_the_plain_loop_for_any_loss_shape_and_accumulation(strea
         assert torch.equal(p.detach(), q.detach())
 
 
+def test_gradients_left_by_the_caller_are_cleared_and_none_are_left_behind(stream):
+    """Every step ends with the gradients set to None, so the next one clears only gradients that
+    someone else left: a caller's own backward between steps must not leak into the update."""
+    trainer = make_trainer(**{**ALWAYS, "predict": False})
+    plain = mlp(0)
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=0.05)
+    for i, batch in enumerate(stream[:20]):
+        if i % 3 == 0:  # e.g. the caller looking at the gradient of a held-out batch
+            cross_entropy(trainer.model, stream[-1 - i]).backward()
+        trainer.step(batch)
+        assert all(p.grad is None for p in trainer.model.parameters())
+        optimizer.zero_grad(set_to_none=True)
+        cross_entropy(plain, batch).backward()
+        optimizer.step()
+    for p, q in zip(trainer.params, plain.parameters()):
+        assert torch.equal(p.detach(), q.detach())
+    predicting = make_trainer(**ALWAYS)  # predicted, verified and rolled-back steps leave none either
+    phases = set()
+    for batch in stream[:60]:
+        phases.add(predicting.step(batch).phase)
+        assert all(p.grad is None for p in predicting.model.parameters())
+    assert "PREDICT" in phases
+
+
 def test_bfloat16_autocast_on_cpu(stream):
     trainer = make_trainer(autocast_dtype="bfloat16")
     results = [trainer.step(b) for b in stream[:12]]
