@@ -43,7 +43,9 @@ import enum
 import math
 import numbers
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 from statistics import median
 
 __all__ = ["Severity", "DivergenceReport", "DivergenceMonitor", "REASON_KINDS"]
@@ -102,13 +104,19 @@ def _require_float(name: str, value, ok, allowed: str) -> float:
 
 def _as_optional_float(name: str, value) -> float | None:
     """Accept python/numpy/torch scalars; anything else is a caller bug worth a clear error."""
-    if value is None:
-        return None
+    if value is None or type(value) is float:  # the trainer's case, on every step: skip the ABC checks
+        return value
     if hasattr(value, "item") and not _is_number(value):
         value = value.item()  # 0-d numpy array or torch tensor
     if not _is_number(value):
         raise ValueError(f"{name} must be a real number or None, got {type(value).__name__}")
     return float(value)
+
+
+def _median_of_sorted(ordered: Sequence[float]) -> float:
+    """``statistics.median`` of values already in order (the same arithmetic, without its sort)."""
+    half = len(ordered) // 2
+    return ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2
 
 
 def _fmt(value: float) -> str:
@@ -169,6 +177,11 @@ class DivergenceMonitor:
         # The oscillation test needs oscillation_window + 1 losses, which may exceed the z-score window.
         self._loss_capacity = max(self.window, self.oscillation_window + 1)
         self._losses: deque[float] = deque(maxlen=self._loss_capacity)
+        # Kept in step with _losses by _record_loss, so that the oscillation test, which runs on every
+        # step, need not rebuild the differences: for the most recent pairs of consecutive differences
+        # of accepted losses, whether they change sign; and the last difference.
+        self._sign_changes: deque[bool] = deque(maxlen=self.oscillation_window - 1)
+        self._last_difference: float | None = None
         self._grad_norms: deque[float] = deque(maxlen=self.window)
         self.counts: dict[str, int] = {kind: 0 for kind in REASON_KINDS}
 
@@ -178,13 +191,23 @@ class DivergenceMonitor:
         loss_value = _as_optional_float("loss", loss)
         grad_value = _as_optional_float("grad_norm", grad_norm)
         if loss_value is not None and math.isfinite(loss_value):
-            self._losses.append(loss_value)
+            self._record_loss(loss_value)
         if grad_value is not None and math.isfinite(grad_value):
             self._grad_norms.append(grad_value)
+
+    def _record_loss(self, loss: float) -> None:
+        if self._losses:
+            difference = loss - self._losses[-1]
+            if self._last_difference is not None:
+                self._sign_changes.append(self._last_difference * difference < 0)
+            self._last_difference = difference
+        self._losses.append(loss)
 
     def reset_window(self) -> None:
         """Forget the recent loss and grad-norm history (after a rollback); event counts are kept."""
         self._losses.clear()
+        self._sign_changes.clear()
+        self._last_difference = None
         self._grad_norms.clear()
 
     @property
@@ -220,6 +243,8 @@ class DivergenceMonitor:
         if grad_value is not None and math.isfinite(grad_value):
             findings.extend(self._check_grad(grad_value))
 
+        if not findings:  # nearly every step: skip building the report from an empty list
+            return DivergenceReport(severity=Severity.OK, reasons=[], kinds=[])
         severity = max((f[0] for f in findings), default=Severity.OK)
         kinds = [f[1] for f in findings]
         if count:
@@ -235,20 +260,41 @@ class DivergenceMonitor:
 
     def loss_z_score(self, loss: float) -> float | None:
         """z-score of ``loss`` against the accepted window, or None while the history is too short."""
-        recent = list(self._losses)[-self.window:]
-        if len(recent) < self.min_history:
+        recent = self._z_window()
+        return None if recent is None else self._z_score(float(loss), recent, median(recent))
+
+    def _z_window(self) -> Sequence[float] | None:
+        losses = self._losses
+        if len(losses) < self.min_history:
             return None
-        center = median(recent)
+        # The whole history unless the oscillation test keeps a longer one (no copy on every step).
+        return losses if len(losses) <= self.window else list(losses)[-self.window:]
+
+    def _scale_floor(self, center: float) -> float:
+        return max(self.relative_scale_floor * abs(center), _ABSOLUTE_SCALE_FLOOR)
+
+    def _z_score(self, loss: float, recent: Sequence[float], center: float) -> float:
         mad_scale = _MAD_TO_STD * median(abs(v - center) for v in recent)
         mean = sum(recent) / len(recent)
         std = math.sqrt(sum((v - mean) ** 2 for v in recent) / (len(recent) - 1))
-        scale = max(mad_scale, std, self.relative_scale_floor * abs(center), _ABSOLUTE_SCALE_FLOOR)
-        return (float(loss) - center) / scale
+        return (loss - center) / max(mad_scale, std, self._scale_floor(center))
 
     def _check_loss_z(self, loss: float) -> list[tuple[Severity, str, str]]:
-        z = self.loss_z_score(loss)
+        recent = self._z_window()
+        if recent is None:
+            return []
+        ordered = sorted(recent)  # one sort gives the median and the range
+        center = _median_of_sorted(ordered)
+        # Most steps end on this upper bound of z, without the MAD and std passes (the monitor's
+        # largest per-step cost). The scale is at least the sample std, and the two extreme losses
+        # alone put range²/2 into its sum of squares, so std >= range / sqrt(2 (n - 1)); the 0.999
+        # leaves room for the rounding of the computed std. A smaller scale gives a larger z.
+        spread_bound = 0.999 * (ordered[-1] - ordered[0]) / math.sqrt(2 * (len(ordered) - 1))
+        if (loss - center) / max(spread_bound, self._scale_floor(center)) <= self.loss_z_warning:
+            return []
+        z = self._z_score(loss, recent, center)
         # Only rises are divergence: a sudden drop (new data regime, LR decay) is good news.
-        if z is None or z <= self.loss_z_warning:
+        if z <= self.loss_z_warning:
             return []
         if z > self.loss_z_critical:
             return [(Severity.CRITICAL, "loss_z", f"loss z-score {z:.1f} > {self.loss_z_critical:g}")]
@@ -271,8 +317,17 @@ class DivergenceMonitor:
     def oscillation_share(self, loss: float | None = None) -> float | None:
         """Share of sign changes between consecutive differences of the last ``oscillation_window`` + 1 losses
         (the accepted ones plus ``loss`` when given), or None while there are too few."""
-        points = self._oscillation_points(loss)
-        return None if points is None else self._sign_change_share(points)
+        if loss is None:
+            if len(self._losses) <= self.oscillation_window:
+                return None
+            changes = sum(self._sign_changes)
+        else:
+            if len(self._losses) < self.oscillation_window:
+                return None
+            accepted_pairs = self.oscillation_window - 2  # the last pair is the one that ends at ``loss``
+            changes = sum(islice(self._sign_changes, len(self._sign_changes) - accepted_pairs, None))
+            changes += self._last_difference * (float(loss) - self._losses[-1]) < 0
+        return changes / (self.oscillation_window - 1)
 
     def _oscillation_points(self, loss: float | None) -> list[float] | None:
         points = list(self._losses)
@@ -280,12 +335,6 @@ class DivergenceMonitor:
             points.append(float(loss))
         needed = self.oscillation_window + 1
         return points[-needed:] if len(points) >= needed else None
-
-    @staticmethod
-    def _sign_change_share(points: list[float]) -> float:
-        diffs = [b - a for a, b in zip(points, points[1:])]
-        changes = sum(1 for a, b in zip(diffs, diffs[1:]) if a * b < 0)
-        return changes / (len(diffs) - 1)
 
     @staticmethod
     def _slope(points: list[float]) -> float:
@@ -298,13 +347,10 @@ class DivergenceMonitor:
         return numerator / denominator
 
     def _check_oscillation(self, loss: float) -> list[tuple[Severity, str, str]]:
-        points = self._oscillation_points(loss)
-        if points is None:
+        share = self.oscillation_share(loss)
+        if share is None or share <= self.oscillation_threshold:
             return []
-        share = self._sign_change_share(points)
-        if share <= self.oscillation_threshold:
-            return []
-        slope = self._slope(points)
+        slope = self._slope(self._oscillation_points(loss))
         # Zig-zagging on the way down is normal for noisy SGD; it is only a problem when it goes nowhere.
         if slope < 0:
             return []
@@ -356,6 +402,8 @@ class DivergenceMonitor:
         if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in counts.values()):
             raise ValueError("state['counts'] values must be non-negative integers")
 
-        self._losses = deque((float(v) for v in state["losses"]), maxlen=self._loss_capacity)
+        self.reset_window()
+        for value in state["losses"]:
+            self._record_loss(float(value))
         self._grad_norms = deque((float(v) for v in state["grad_norms"]), maxlen=self.window)
         self.counts = {kind: int(counts[kind]) for kind in REASON_KINDS}

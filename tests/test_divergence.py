@@ -1,9 +1,12 @@
 """DivergenceMonitor: each signal fires when it should, stays quiet when it should not, and round-trips."""
 import json
 import math
+import statistics
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hybrid_trainer.divergence import REASON_KINDS, DivergenceMonitor, DivergenceReport, Severity
 
@@ -252,3 +255,139 @@ def test_constructor_validation_names_argument_and_range(kwargs, name):
 def test_negative_grad_norm_is_rejected():
     with pytest.raises(ValueError, match="grad_norm"):
         DivergenceMonitor().check(1.0, grad_norm=-1.0)
+
+
+# ------------------------------------------------------------------ the fast check against a reference
+# DivergenceMonitor.check skips the exact z-score on most steps (an upper bound of z decides) and counts
+# oscillation sign changes incrementally. The reference below computes every rule the straightforward way,
+# from the accepted values alone, so any shortcut that changes a finding, a z-score or a share fails here.
+
+def reference_check(monitor, accepted, accepted_grads, loss, grad_norm):
+    """(findings as [(severity, kind)], z or None, share or None) by the rules in the module docstring."""
+    findings = []
+    z = None
+    recent = accepted[-monitor.window:]
+    if len(recent) >= monitor.min_history:
+        center = statistics.median(recent)
+        mad_scale = 1.4826 * statistics.median([abs(v - center) for v in recent])
+        mean = sum(recent) / len(recent)
+        std = math.sqrt(sum((v - mean) ** 2 for v in recent) / (len(recent) - 1))
+        z = (loss - center) / max(mad_scale, std, monitor.relative_scale_floor * abs(center), 1e-12)
+        if z > monitor.loss_z_critical:
+            findings.append((Severity.CRITICAL, "loss_z"))
+        elif z > monitor.loss_z_warning:
+            findings.append((Severity.WARNING, "loss_z"))
+    share = None
+    points = (accepted + [loss])[-(monitor.oscillation_window + 1):]
+    if len(points) == monitor.oscillation_window + 1:
+        diffs = [b - a for a, b in zip(points, points[1:])]
+        share = sum(1 for a, b in zip(diffs, diffs[1:]) if a * b < 0) / (len(diffs) - 1)
+        x_mean, y_mean = (len(points) - 1) / 2, sum(points) / len(points)
+        slope = (sum((i - x_mean) * (y - y_mean) for i, y in enumerate(points))
+                 / sum((i - x_mean) ** 2 for i in range(len(points))))
+        if share > monitor.oscillation_threshold and slope >= 0:
+            findings.append((Severity.WARNING, "oscillation"))
+    if grad_norm < monitor.grad_vanish_threshold:
+        findings.append((Severity.WARNING, "grad_vanish"))
+    grads = accepted_grads[-monitor.window:]
+    if len(grads) >= monitor.min_history:
+        reference = statistics.median(grads)
+        if reference > monitor.grad_vanish_threshold and grad_norm > monitor.grad_explosion_factor * reference:
+            findings.append((Severity.CRITICAL, "grad_explosion"))
+    return findings, z, share
+
+
+@st.composite
+def monitor_histories(draw):
+    """Monitor settings, a history (runs of constants, zig-zags, noise, spikes, non-finite values, resets
+    and a state round trip) and candidate losses, some placed within rounding of the z thresholds."""
+    window = draw(st.integers(2, 12))
+    settings_ = dict(
+        window=window,
+        min_history=draw(st.integers(2, window)),
+        oscillation_window=draw(st.integers(3, 10)),  # above window - 1 the history outlives the z window
+        loss_z_warning=draw(st.sampled_from([0.5, 1.0, 3.0])),
+        oscillation_threshold=draw(st.sampled_from([0.5, 0.85, 1.0])),
+        relative_scale_floor=draw(st.sampled_from([0.0, 0.01])),
+    )
+    settings_["loss_z_critical"] = settings_["loss_z_warning"] * draw(st.sampled_from([1.0, 2.0]))
+    level = draw(st.sampled_from([0.0, 1e-6, 1.0, 3.0, -2.0, 1e6]))
+    steps = []
+    for _ in range(draw(st.integers(0, 6))):
+        kind = draw(st.sampled_from(["constant", "zigzag", "noise", "spike", "nonfinite", "reset"]))
+        n = draw(st.integers(1, 12))
+        size = draw(st.sampled_from([0.0, 1e-12, 1e-3, 0.1, 1.0])) * max(1.0, abs(level))
+        if kind == "constant":
+            steps += [("loss", level)] * n
+        elif kind == "zigzag":
+            steps += [("loss", level + (size if i % 2 else -size) + 1e-3 * size * i) for i in range(n)]
+        elif kind == "noise":
+            steps += [("loss", level + size * draw(st.floats(-1, 1))) for _ in range(n)]
+        elif kind == "spike":
+            steps += [("loss", level + 100 * size + 1.0)]
+        elif kind == "nonfinite":
+            steps += [("loss", draw(st.sampled_from([math.nan, math.inf, -math.inf])))]
+        else:
+            steps += [(draw(st.sampled_from(["reset", "round_trip"])), None)]
+    return settings_, steps, draw(st.lists(st.floats(-3, 3), min_size=1, max_size=4))
+
+
+def _candidates(monitor, accepted, offsets):
+    """Losses at each offset times the reference scale above the median, and next to both thresholds."""
+    recent = accepted[-monitor.window:]
+    if len(recent) < 2:
+        return [0.0, 1.0]
+    center = statistics.median(recent)
+    unit = reference_check(monitor, accepted, [], center + 1.0, 1.0)[1]  # z of one loss unit above
+    scale = 1.0 / unit if unit else 1.0
+    out = [recent[-1], center] + [center + k * scale for k in offsets]
+    for threshold in (monitor.loss_z_warning, monitor.loss_z_critical):
+        at = center + threshold * scale
+        out += [at, math.nextafter(at, math.inf), math.nextafter(at, -math.inf),
+                at * (1 + 1e-12), center + threshold * scale * 1.001]
+    return [c for c in out if math.isfinite(c)]
+
+
+@given(monitor_histories())
+@settings(max_examples=400, deadline=None)
+def test_check_gives_exactly_the_reference_findings(case):
+    settings_, steps, offsets = case
+    monitor = DivergenceMonitor(**settings_)
+    accepted, accepted_grads = [], []
+    expected_counts = dict.fromkeys(REASON_KINDS, 0)
+    for i, (what, value) in enumerate(steps + [("loss", None)]):
+        if what == "reset":
+            monitor.reset_window()
+            accepted, accepted_grads = [], []
+            continue
+        if what == "round_trip":
+            restored = DivergenceMonitor(**settings_)
+            restored.load_state_dict(json.loads(json.dumps(monitor.state_dict())))
+            monitor = restored
+            continue
+        grad_norm = 1.0 + 0.01 * (i % 5)
+        for candidate in _candidates(monitor, accepted, offsets):
+            for g in (grad_norm, 1e-12, 100.0):
+                findings, z, share = reference_check(monitor, accepted, accepted_grads, candidate, g)
+                report = monitor.check(candidate, g)
+                assert report.kinds == [kind for _, kind in findings], (candidate, g, z, share)
+                assert report.severity == max((s for s, _ in findings), default=Severity.OK)
+                for kind in set(report.kinds):
+                    expected_counts[kind] += 1
+                assert monitor.loss_z_score(candidate) == z
+                assert monitor.oscillation_share(candidate) == share
+                for severity, kind in findings:
+                    if kind == "loss_z":
+                        limit = monitor.loss_z_critical if severity is Severity.CRITICAL else monitor.loss_z_warning
+                        assert f"loss z-score {z:.1f} > {limit:g}" in report.reasons
+        points = accepted[-(monitor.oscillation_window + 1):]
+        assert monitor.oscillation_share() == (reference_check(monitor, accepted[:-1], [], accepted[-1], 1.0)[2]
+                                               if len(points) == monitor.oscillation_window + 1 else None)
+        if value is None:
+            break
+        monitor.observe(value, grad_norm)
+        if math.isfinite(value):
+            accepted.append(value)
+        accepted_grads.append(grad_norm)
+    assert monitor.counts == expected_counts
+    assert monitor.history_length == min(len(accepted), max(monitor.window, monitor.oscillation_window + 1))
