@@ -85,6 +85,10 @@ class HybridConfig:
             submodule whose class name is ``checkpoint_module_type`` (e.g. ``"GPTBlock"``).
         metrics_path: JSONL file receiving one record per step (None: no per-step records;
             ``trainer.plot`` needs it).
+        weight_average: keep a lag-corrected average of the weights
+            (:class:`~hybrid_trainer.averaging.WeightAverage`: two more copies of the parameters,
+            two passes over them per real step) for evaluation and export through
+            ``trainer.averaged_weights()``; training never uses it.
         seed: seed of the trainer's own random draws (dynamics replay sampling).
     """
 
@@ -134,6 +138,7 @@ class HybridConfig:
     checkpoint_module_type: str | None = None
     checkpoint_every_nth: int = 1
     metrics_path: str | None = None
+    weight_average: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -223,6 +228,7 @@ class HybridConfig:
              "None when checkpoint_modules is set (choose modules by name or by type, not both)")
         need("checkpoint_every_nth", is_int(self.checkpoint_every_nth) and self.checkpoint_every_nth >= 1, "an int >= 1")
         need("metrics_path", self.metrics_path is None or isinstance(self.metrics_path, str), "None or a str path")
+        need("weight_average", isinstance(self.weight_average, bool), "a bool")
         need("seed", is_int(self.seed) and self.seed >= 0, "an int >= 0")
 
     @property

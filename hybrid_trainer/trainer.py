@@ -36,6 +36,7 @@ from hybrid_kernels.encode_state import NUM_FEATURES
 
 from . import checkpoint
 from .anchor import WeightAnchor
+from .averaging import WeightAverage
 from .config import HybridConfig
 from .cost import PredictionCost, real_steps_per_predicted
 from .divergence import DivergenceMonitor, Severity
@@ -138,6 +139,7 @@ class HybridTrainer:
                                         config.scale_beta, config.scale_max)
         self.anchor = WeightAnchor(self.params)  # last verified point of a PREDICT phase
         self.good_state = WeightAnchor(self.params)  # last healthy point (divergence rollback)
+        self.weight_average = WeightAverage(self.params) if config.weight_average else None
         self.history = hk.StateHistory(device=self.device)
         self.normalizer = RunningNormalizer(NUM_FEATURES)
         self.dynamics = DynamicsModel(n_features=NUM_FEATURES, hidden=config.dynamics_hidden,
@@ -322,6 +324,8 @@ class HybridTrainer:
         else:
             self.optimizer.step()
         self.stats.optimizer_steps += 1
+        if self.weight_average is not None:
+            self.weight_average.update()
         if self.scheduler is not None:
             self.scheduler.step()
         update_norm = None
@@ -511,6 +515,19 @@ class HybridTrainer:
         record["next_phase"] = self.controller.phase.value
         self.metrics.log(record)
 
+    def averaged_weights(self):
+        """Context manager: inside it the model's trained parameters hold their lag-corrected
+        average (:mod:`hybrid_trainer.averaging`), for evaluation or export; after it, exactly
+        the trained values again. Buffers (e.g. batch-norm statistics) are not averaged. Needs
+        ``HybridConfig(weight_average=True)``::
+
+            with trainer.averaged_weights():
+                val_loss = evaluate(model)
+        """
+        if self.weight_average is None:
+            raise ValueError("HybridConfig.weight_average is False: set it to True to keep a weight average")
+        return self.weight_average.swapped_in()
+
     def plot(self, path, title: str | None = None) -> None:
         """PNG of the loss over steps with phases shaded, from the metrics file (needs ``metrics_path``)."""
         if self.config.metrics_path is None:
@@ -580,6 +597,7 @@ class HybridTrainer:
             "predictor": self.predictor.state_dict(),
             "anchor": self.anchor.state_dict(),
             "good_state": self.good_state.state_dict(),
+            "weight_average": None if self.weight_average is None else self.weight_average.state_dict(),
             "history": self.history.state_dict(),
             "normalizer": self.normalizer.state_dict(),
             "dynamics": self.dynamics.full_state_dict(),
@@ -614,6 +632,11 @@ class HybridTrainer:
         self.predictor.load_state_dict(state["predictor"])
         self.anchor.load_state_dict(state["anchor"])
         self.good_state.load_state_dict(state["good_state"])
+        if self.weight_average is not None:
+            if state.get("weight_average") is None:  # saved without one: start it at the loaded weights
+                self.weight_average = WeightAverage(self.params)
+            else:
+                self.weight_average.load_state_dict(state["weight_average"])
         self.history.load_state_dict(state["history"])
         self.normalizer.load_state_dict(state["normalizer"])
         self.dynamics.load_full_state_dict(state["dynamics"])

@@ -288,6 +288,7 @@ def test_triton_kernels_serve_the_trainer_under_the_interpreter(stream, monkeypa
     ("checkpoint_modules", [], "checkpoint_modules=\\[\\]"),
     ("memory_spike_threshold", 0.0, "memory_spike_threshold=0.0"),
     ("predict", "no", "predict='no': must be a bool"),
+    ("weight_average", 1, "weight_average=1: must be a bool"),
 ])
 def test_config_validation_names_the_field(field, value, match):
     with pytest.raises(ValueError, match=match):
@@ -515,3 +516,60 @@ def test_total_grad_norm_matches_torch_and_reports_non_finite():
     assert total_grad_norm(grads) == float("inf")
     grads[0][0, 0] = float("nan")
     assert math.isnan(total_grad_norm(grads))
+
+
+def test_weight_average_follows_real_steps_and_is_only_swapped_in_for_evaluation(stream):
+    """The averaged trainer trains exactly like the plain loop (the average never feeds back);
+    ``averaged_weights()`` shows the lag-corrected average of the real iterates, then the
+    trained weights again; without the config field it says how to get one."""
+    from hybrid_trainer.averaging import WeightAverage
+
+    trainer = make_trainer(**{**ALWAYS, "predict": False, "weight_average": True})
+    plain = mlp(0)
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=0.05)
+    average = WeightAverage(list(plain.parameters()))
+    for batch in stream[:40]:
+        trainer.step(batch)
+        optimizer.zero_grad(set_to_none=True)
+        cross_entropy(plain, batch).backward()
+        optimizer.step()
+        average.update()
+    for p, q in zip(trainer.params, plain.parameters()):
+        assert torch.equal(p.detach(), q.detach())
+    with trainer.averaged_weights():
+        for p, e in zip(trainer.params, average.estimate()):
+            assert torch.equal(p.detach(), e)
+        averaged_loss = cross_entropy(trainer.model, stream[0]).item()
+    for p, q in zip(trainer.params, plain.parameters()):
+        assert torch.equal(p.detach(), q.detach())
+    assert averaged_loss != cross_entropy(trainer.model, stream[0]).item()
+    with pytest.raises(ValueError, match="weight_average is False"):
+        make_trainer().averaged_weights()
+
+
+def test_weight_average_survives_a_resume_and_starts_fresh_from_a_checkpoint_without_one(stream, tmp_path):
+    overrides = {**ALWAYS, "weight_average": True}
+    reference = make_trainer(**overrides)
+    for batch in stream[:30]:
+        reference.step(batch)
+    first = make_trainer(**overrides)
+    for batch in stream[:15]:
+        first.step(batch)
+    first.save(tmp_path / "with.pt")
+    resumed = make_trainer(seed=5, **overrides)
+    resumed.load(tmp_path / "with.pt")
+    for batch in stream[15:30]:
+        resumed.step(batch)
+    for a, b in zip(reference.weight_average.estimate(), resumed.weight_average.estimate()):
+        assert torch.equal(a, b)
+    assert resumed.weight_average.updates == reference.weight_average.updates
+
+    without = make_trainer(**ALWAYS)
+    for batch in stream[:15]:
+        without.step(batch)
+    without.save(tmp_path / "without.pt")
+    started = make_trainer(seed=5, **overrides)
+    started.load(tmp_path / "without.pt")
+    assert started.weight_average.updates == 0
+    for p, e in zip(started.params, started.weight_average.estimate()):
+        assert torch.equal(p.detach(), e)  # an average of the loaded weights only
