@@ -9,8 +9,11 @@ Protocol (shared/design.md §5):
   ``torch.set_num_threads`` is fixed and reported.
 * Arms: AdamW at the learning rate picked by a small sweep (recorded in the output), the same
   loop at 2× that rate (repeating updates resembles a larger step: the honest competitor), and
-  HybridTrainer (default config, the aggressive preset, and ``no-predict``: prediction off, what
-  the trainer's safety layer alone costs) at the tuned rate. Plain arms run
+  HybridTrainer at the tuned rate (default config; ``weight-average``: evaluated at its
+  lag-corrected weight average, with its control, the tuned AdamW loop evaluated at the same
+  average, so the gain is attributed to averaging, not to the trainer; ``no-predict``:
+  prediction off, what the trainer's safety layer alone costs; ``aggressive`` on request).
+  Plain arms run
   ``steps`` steps; hybrid arms get 1.5× as many steps (they may see more batches; the claim is
   wall-clock).
 * Target = the tuned baseline's validation loss at 80% of its budget (mean over seeds). Reported
@@ -23,6 +26,7 @@ Protocol (shared/design.md §5):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import math
@@ -39,6 +43,7 @@ import torch
 from tqdm import tqdm
 
 from hybrid_trainer import HybridConfig, HybridTrainer
+from hybrid_trainer.averaging import WeightAverage
 
 from .tasks import Task, get_task
 
@@ -51,6 +56,7 @@ class ArmSpec:
     name: str
     lr: float
     config: HybridConfig | None = None  # None: plain loop
+    average: bool = False  # plain loop evaluated at its lag-corrected weight average (a control)
 
     @property
     def hybrid(self) -> bool:
@@ -79,6 +85,7 @@ class ArmRun:
         self.stream = self.task.batches(self.seed)
         self.trainer = (HybridTrainer(self.model, self.optimizer, self.task.loss_fn, self.spec.config)
                         if self.spec.hybrid else None)
+        self.average = WeightAverage(list(self.model.parameters())) if self.spec.average else None
         self._eval()
 
     @property
@@ -95,6 +102,8 @@ class ArmRun:
                 loss = self.task.loss_fn(self.model, batch)
                 loss.backward()
                 self.optimizer.step()
+                if self.average is not None:
+                    self.average.update()
             self.backward += n
             self.forward += n
         else:
@@ -110,7 +119,14 @@ class ArmRun:
 
     def _eval(self) -> None:
         self.model.eval()
-        val = self.task.val_loss(self.model)
+        if self.average is not None:
+            averaged = self.average.swapped_in()
+        elif self.trainer is not None and self.trainer.weight_average is not None:
+            averaged = self.trainer.averaged_weights()
+        else:
+            averaged = contextlib.nullcontext()
+        with averaged:
+            val = self.task.val_loss(self.model)
         self.model.train()
         self.curve.append(dict(step=self.steps, time=self.train_time, val_loss=val,
                                backward=self.backward, forward=self.forward))
@@ -228,15 +244,18 @@ def sweep_lr(task: Task, seed: int) -> tuple[float, dict[str, float]]:
     return best, finals
 
 
-PRESETS = ("default", "conservative", "aggressive", "no-predict")
+PRESETS = ("default", "conservative", "aggressive", "no-predict", "weight-average")
 
 
 def preset_config(name: str) -> HybridConfig:
-    """``no-predict`` is the trainer with prediction off: what its safety layer alone costs."""
+    """``no-predict`` is the trainer with prediction off: what its safety layer alone costs;
+    ``weight-average`` the default config evaluated at its lag-corrected weight average."""
     if name == "default":
         return HybridConfig()
     if name == "no-predict":
         return HybridConfig(predict=False)
+    if name == "weight-average":
+        return HybridConfig(weight_average=True)
     if name in PRESETS:
         return getattr(HybridConfig, name)()
     raise ValueError(f"--presets: each must be one of {PRESETS}, got {name!r}")
@@ -247,6 +266,8 @@ def benchmark_task(name: str, quick: bool, n_seeds: int, presets: list[str]) -> 
     print(f"\n== {name}: {task.data_source}", flush=True)
     tuned_lr, sweep = sweep_lr(task, seed=1000)
     arms = [ArmSpec("AdamW (tuned lr)", tuned_lr), ArmSpec("AdamW (2x lr)", 2 * tuned_lr)]
+    if "weight-average" in presets:  # its control: does the trainer add anything to the averaging?
+        arms.append(ArmSpec("AdamW (tuned lr) + weight average", tuned_lr, average=True))
     for preset in presets:
         arms.append(ArmSpec(f"HybridTrainer ({preset})", tuned_lr, preset_config(preset)))
     seeds = list(range(n_seeds))
@@ -360,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     tasks = args.tasks or (["digits", "charlm"] if args.quick else ["charlm", "fashion", "digits"])
-    presets = args.presets or (["default", "no-predict"] if args.quick else ["default", "aggressive", "no-predict"])
+    presets = args.presets or (["default", "no-predict"] if args.quick else ["default", "weight-average", "no-predict"])
     for name in presets:
         preset_config(name)  # a bad name fails here, not after the first task's runs
     args.out.mkdir(parents=True, exist_ok=True)
