@@ -40,6 +40,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from hybrid_trainer.averaging import FAST_BETA, SLOW_BETA, lag
+
 from .nowcaster import ASSET, Nowcaster, SnapshotHistory, dmd_nowcast, drift_nowcast, element_features
 
 from .tasks import get_task
@@ -229,11 +231,7 @@ def dmd_predictability(task_name: str, out: Path, lr: float | None = None, seed:
 
 
 # ----------------------------------------------------------------------------- evaluation ----
-AVG_BETAS = (0.9, 0.98)  # weight averages for the smoothed-trajectory nowcasts
-
-
-def _lag(beta: float) -> float:
-    return beta / (1 - beta)  # steps an EMA of a steadily moving point lags behind it
+AVG_BETAS = (FAST_BETA, SLOW_BETA)  # the trainer's weight average (hybrid_trainer/averaging.py)
 
 
 def run_arm(task, lr: float, seed: int, method: str | None, horizon: int, model: Nowcaster | None,
@@ -311,10 +309,10 @@ def run_arm(task, lr: float, seed: int, method: str | None, horizon: int, model:
 def _smoothed_delta(averages, params, method: str, ahead: int) -> list[torch.Tensor]:
     (fast, slow), (b_fast, b_slow) = averages, AVG_BETAS
     drift = torch._foreach_sub(fast, slow)
-    torch._foreach_div_(drift, _lag(b_slow) - _lag(b_fast))
+    torch._foreach_div_(drift, lag(b_slow) - lag(b_fast))
     if method == "smooth":
         return torch._foreach_mul(drift, float(ahead))
-    delta = torch._foreach_add(fast, torch._foreach_mul(drift, _lag(b_fast) + ahead))  # floor − θ
+    delta = torch._foreach_add(fast, torch._foreach_mul(drift, lag(b_fast) + ahead))  # floor − θ
     torch._foreach_sub_(delta, [p.detach() for p in params])
     return delta
 

@@ -547,15 +547,20 @@ def test_weight_average_follows_real_steps_and_is_only_swapped_in_for_evaluation
         make_trainer().averaged_weights()
 
 
+def _trained_and_saved(path, steps, stream, **overrides):
+    trainer = make_trainer(**overrides)
+    for batch in stream[:steps]:
+        trainer.step(batch)
+    trainer.save(path)
+    return trainer
+
+
 def test_weight_average_survives_a_resume_and_starts_fresh_from_a_checkpoint_without_one(stream, tmp_path):
     overrides = {**ALWAYS, "weight_average": True}
     reference = make_trainer(**overrides)
     for batch in stream[:30]:
         reference.step(batch)
-    first = make_trainer(**overrides)
-    for batch in stream[:15]:
-        first.step(batch)
-    first.save(tmp_path / "with.pt")
+    _trained_and_saved(tmp_path / "with.pt", 15, stream, **overrides)
     resumed = make_trainer(seed=5, **overrides)
     resumed.load(tmp_path / "with.pt")
     for batch in stream[15:30]:
@@ -564,10 +569,7 @@ def test_weight_average_survives_a_resume_and_starts_fresh_from_a_checkpoint_wit
         assert torch.equal(a, b)
     assert resumed.weight_average.updates == reference.weight_average.updates
 
-    without = make_trainer(**ALWAYS)
-    for batch in stream[:15]:
-        without.step(batch)
-    without.save(tmp_path / "without.pt")
+    _trained_and_saved(tmp_path / "without.pt", 15, stream, **ALWAYS)
     started = make_trainer(seed=5, **overrides)
     started.load(tmp_path / "without.pt")
     assert started.weight_average.updates == 0
