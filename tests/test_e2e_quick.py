@@ -66,3 +66,21 @@ def test_worth_text_is_left_out_when_the_gate_never_measured():
     assert "worth of a predicted step 0.120" in text and "core 1.00, recording 0.40" in text
     assert "forecasting" not in text
     assert e2e._worth_text(dict(predicted_step_worth=None)) == ""
+
+
+def test_weight_average_arms_get_their_own_swept_rate_and_a_control(tmp_path):
+    assert e2e.main(["--quick", "--tasks", "digits", "--seeds", "1", "--presets", "weight-average",
+                     "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "e2e_digits_quick.json").read_text())
+    tuned, chosen = result["tuned_lr"], result["weight_average_lr"]
+    candidates = [tuned * f for f in e2e.AVERAGE_LR_FACTORS]
+    assert set(result["weight_average_lr_sweep"]) == {f"{lr:g}" for lr in candidates}
+    assert chosen == min(candidates, key=lambda lr: result["weight_average_lr_sweep"][f"{lr:g}"])
+    arms = result["arms"]
+    assert arms["AdamW + weight average"]["lr"] == chosen == arms["HybridTrainer (weight-average)"]["lr"]
+    assert arms["HybridTrainer (weight-average)"]["config"]["weight_average"] is True
+    # Evaluated at the average: the same start as the raw loop, then other values.
+    control = arms["AdamW + weight average"]["seeds"][0]["curve"]
+    raw = arms["AdamW (tuned lr)"]["seeds"][0]["curve"]
+    assert control[0]["val_loss"] == raw[0]["val_loss"] and control[-1]["val_loss"] != raw[-1]["val_loss"]
+    assert f"lr for evaluation at the weight average {chosen:g}" in (tmp_path / "e2e_quick.md").read_text()
