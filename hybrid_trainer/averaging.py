@@ -41,8 +41,9 @@ class WeightAverage:
         params: the trained tensors, in a fixed order (float dtypes; fp16/bf16 ones are averaged
             in fp32, since a 0.02 lerp step is below their resolution).
 
-    Memory: two copies of ``params`` (fp32 for low-precision ones); cost: two passes over them
-    per :meth:`update`.
+    Memory: two copies of ``params`` (fp32 for low-precision ones), and a third, in their own
+    dtypes, from the first :meth:`swapped_in` on (the trained values it puts back); cost: two
+    passes over them per :meth:`update`.
     """
 
     def __init__(self, params: list[torch.Tensor]):

@@ -87,7 +87,7 @@ class HybridConfig:
             ``trainer.plot`` needs it).
         weight_average: keep a lag-corrected average of the weights
             (:class:`~hybrid_trainer.averaging.WeightAverage`: two more copies of the parameters,
-            two passes over them per real step) for evaluation and export through
+            a third once it is first swapped in, two passes over them per real step) for evaluation and export through
             ``trainer.averaged_weights()``; training never uses it. Evaluated at the average, a
             larger learning rate can pay (docs/trainer.md): re-tune it with this on.
         seed: seed of the trainer's own random draws (dynamics replay sampling).
