@@ -14,9 +14,8 @@ Protocol (shared/design.md §5):
   trainer evaluated at its lag-corrected weight average, at the rate a second sweep (1×, 2×, 4×
   the tuned one, final loss at the average) picks, with its control, the AdamW loop at that rate
   evaluated at the same average, so a gain is attributed to averaging, not to the trainer.
-  Plain arms run
-  ``steps`` steps; hybrid arms get 1.5× as many steps (they may see more batches; the claim is
-  wall-clock).
+  Plain arms run ``steps`` steps; hybrid arms get 1.5× as many steps (they may see more batches;
+  the claim is wall-clock).
 * Target = the tuned baseline's validation loss at 80% of its budget (mean over seeds). Reported
   per arm: training wall-clock and forward/backward passes to reach it, validation loss at equal
   wall-clock (the tuned baseline's total training time), its gap in %, backward passes saved,
@@ -290,7 +289,8 @@ def benchmark_task(name: str, quick: bool, n_seeds: int, presets: list[str]) -> 
     result = analyse(task, arms, runs, baseline="AdamW (tuned lr)")
     result.update(task=name, data_source=task.data_source, details=task.details, steps=task.steps,
                   eval_every=task.eval_every, hybrid_step_factor=HYBRID_STEP_FACTOR, lr_sweep=sweep,
-                  tuned_lr=tuned_lr, weight_average_lr=average_lr, weight_average_lr_sweep=average_sweep, seeds=seeds, wall_s=time.perf_counter() - started,
+                  tuned_lr=tuned_lr, weight_average_lr=average_lr, weight_average_lr_sweep=average_sweep,
+                  seeds=seeds, wall_s=time.perf_counter() - started,
                   phases_first_hybrid={a.name: runs[a.name][0].phases for a in arms if a.hybrid})
     return result
 
