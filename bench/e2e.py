@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     tasks = args.tasks or (["digits", "charlm"] if args.quick else ["charlm", "fashion", "digits"])
-    presets = args.presets or (["default", "no-predict"] if args.quick else ["default", "weight-average", "no-predict"])
+    presets = args.presets or ["default", "weight-average", "no-predict"]
     for name in presets:
         preset_config(name)  # a bad name fails here, not after the first task's runs
     args.out.mkdir(parents=True, exist_ok=True)
