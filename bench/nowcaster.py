@@ -191,8 +191,8 @@ def dmd_nowcast(disp: torch.Tensor, ahead: int, rank: int = 8) -> torch.Tensor:
     lam, modes = torch.linalg.eig(reduced)
     lam = torch.where(lam.abs() > 1, lam / lam.abs(), lam)
     amplitudes = torch.linalg.solve(modes, (basis @ d[-1]).to(modes.dtype))
+    # lam + lam² + … + lam^ahead; the closed form divides by 1 − lam, so lam = 1 takes the limit.
     near_one = (lam - 1).abs() < 1e-9
-    safe = torch.where(near_one, torch.zeros_like(lam), lam)
     geometric = torch.where(near_one, torch.full_like(lam, ahead),
-                            safe * (1 - safe ** ahead) / (1 - safe + near_one.to(lam.dtype)))
+                            lam * (1 - lam ** ahead) / torch.where(near_one, torch.ones_like(lam), 1 - lam))
     return (basis.T @ (modes @ (geometric * amplitudes)).real).to(disp.dtype)
