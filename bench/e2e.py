@@ -216,12 +216,15 @@ def analyse(task: Task, arms: list[ArmSpec], runs: dict[str, list[ArmRun]], base
 
 
 # ------------------------------------------------------------------------------ running ----
-def run_arms(task: Task, arms: list[ArmSpec], seeds: list[int], desc: str) -> dict[str, list[ArmRun]]:
+def run_arms(task: Task, arms: list[ArmSpec], seeds: list[int], desc: str,
+             make_run: type[ArmRun] = ArmRun) -> dict[str, list[ArmRun]]:
+    """Every arm on every seed, interleaved chunk by chunk (``make_run``: an :class:`ArmRun`
+    subclass for experiments whose plain loop does more, e.g. ``bench.lr_control``)."""
     runs: dict[str, list[ArmRun]] = {a.name: [] for a in arms}
     total_chunks = sum(math.ceil(_budget(task, a) / task.eval_every) for a in arms) * len(seeds)
     with tqdm(total=total_chunks, desc=desc, unit="chunk", file=sys.stderr, disable=None) as bar:
         for seed in seeds:
-            current = [ArmRun(a, task, seed, _budget(task, a)) for a in arms]
+            current = [make_run(a, task, seed, _budget(task, a)) for a in arms]
             while not all(r.done for r in current):
                 for r in current:  # interleaved: one chunk of each arm in turn
                     if not r.done:

@@ -1,0 +1,226 @@
+"""Does an online learning-rate controller pay where predicted updates do not?
+
+    python -m bench.lr_control [--tasks fashion charlm digits] [--seeds 2] [--out docs/results]
+
+The trainer's worth gate measures, every real step, the first-order loss change of one more step
+along the recent update direction on a fresh batch; on every task it is positive but small
+(≈ 0.03–0.07 of a real step), too small to pay for a predicted step. The same signal, the
+*hypergradient* ``<g_t, u_{t-1}>`` (Baydin et al., 2018: the derivative of the loss with respect
+to the learning rate), can instead drive the learning rate: while fresh gradients keep pointing
+along the last update the loop under-steps, when they turn against it, it over-steps. Whether
+that beats a tuned constant rate, to a target, in wall-clock, is what this measures.
+
+Controller (multiplicative, normalised, so one ``beta`` fits every model):
+``lr ← lr · (1 − beta · cos(g_t, u_{t−1}))`` before each optimizer step, where ``u_{t−1}`` is
+the update the last step actually applied (weight decay included) and ``g_t`` the fresh gradient.
+
+Protocol: that of ``bench.e2e`` (same initialisation, same batches, arms interleaved chunk by
+chunk, target = the tuned loop's validation loss at 80% of its steps). Arms: AdamW at the swept
+rate, at 2× it, and the controlled loop from the tuned rate at each ``--betas``. The controller's
+own cost (a copy of the weights and three reductions per step) is in the controlled arms' time.
+Writes ``<out>/lr_control_<task>.json``, ``<out>/lr_control.md`` and ``<out>/lr_control_<task>.png``
+(validation loss vs wall-clock, and each controlled arm's learning rate over steps).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .e2e import ArmRun, ArmSpec, _fmt, analyse, run_arms, sweep_lr
+from .tasks import get_task
+
+BETAS = (0.005, 0.02)
+
+
+class HypergradientLR:
+    """Multiplicative hypergradient control of ``optimizer``'s learning rate (all groups scaled alike).
+
+    Call :meth:`before_step` after ``backward()`` and before ``optimizer.step()``, and
+    :meth:`after_step` right after it. ``lr_bounds`` (multiples of the starting rate) keep a
+    run of one-sided cosines from running the rate away.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, beta: float, lr_bounds: tuple[float, float] = (0.1, 10.0)):
+        if not beta > 0:
+            raise ValueError(f"beta must be > 0, got {beta}")
+        self.optimizer = optimizer
+        self.beta = beta
+        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.start_lrs = [float(g["lr"]) for g in optimizer.param_groups]
+        self.lr_bounds = lr_bounds
+        self.factor = 1.0
+        self._previous = [torch.empty_like(p) for p in self.params]
+        self._has_update = False
+        self.cosines: list[float] = []
+
+    @torch.no_grad()
+    def before_step(self) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        if self._has_update:  # _previous holds u_{t-1}
+            dot = torch.stack([torch.vdot(g.flatten(), u.flatten()) for g, u in zip(grads, self._previous)]).sum()
+            g_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+            u_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(self._previous)))
+            cos = float(dot / (g_norm * u_norm).clamp_min(1e-30))
+            self.cosines.append(cos)
+            low, high = self.lr_bounds
+            self.factor = min(high, max(low, self.factor * (1.0 - self.beta * cos)))
+            for group, start in zip(self.optimizer.param_groups, self.start_lrs):
+                group["lr"] = start * self.factor
+        torch._foreach_copy_(self._previous, [p.detach() for p in self.params])
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        # u_t = w_{t+1} − w_t, stored in place of w_t
+        torch._foreach_sub_(self._previous, [p.detach() for p in self.params])
+        torch._foreach_neg_(self._previous)
+        self._has_update = True
+
+
+@dataclass
+class ControlledArmSpec(ArmSpec):
+    hypergradient_beta: float | None = None  # None: the plain loop, uncontrolled
+
+
+class ControlledArmRun(ArmRun):
+    """The e2e plain AdamW loop, with the hypergradient controller when the arm has a ``beta``;
+    the learning rate is recorded at each evaluation."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        beta = getattr(self.spec, "hypergradient_beta", None)
+        self.controller = None if beta is None else HypergradientLR(self.optimizer, beta)
+        self.curve[-1]["lr"] = self.optimizer.param_groups[0]["lr"]
+
+    def run_chunk(self, n: int, record_phases: bool) -> None:
+        if self.controller is None:
+            super().run_chunk(n, record_phases)
+        else:
+            n = min(n, self.budget - self.steps)
+            batches = [next(self.stream) for _ in range(n)]  # data loading is not training time
+            start = time.perf_counter()
+            for batch in batches:
+                self.optimizer.zero_grad(set_to_none=True)
+                self.task.loss_fn(self.model, batch).backward()
+                self.controller.before_step()
+                self.optimizer.step()
+                self.controller.after_step()
+            self.backward += n
+            self.forward += n
+            self.train_time += time.perf_counter() - start
+            self.steps += n
+            self._eval()
+        self.curve[-1]["lr"] = self.optimizer.param_groups[0]["lr"]
+
+
+def benchmark_task(name: str, n_seeds: int, betas: list[float]) -> dict:
+    task = get_task(name)
+    print(f"\n== {name}: {task.data_source}", flush=True)
+    tuned_lr, sweep = sweep_lr(task, seed=1000)
+    arms = [ControlledArmSpec("AdamW (tuned lr)", tuned_lr), ControlledArmSpec("AdamW (2x lr)", 2 * tuned_lr)]
+    arms += [ControlledArmSpec(f"AdamW + hypergradient lr (beta {b:g})", tuned_lr, hypergradient_beta=b) for b in betas]
+    seeds = list(range(n_seeds))
+    started = time.perf_counter()
+    runs = run_arms(task, arms, seeds, desc=f"{name}: {len(arms)} arms x {n_seeds} seeds", make_run=ControlledArmRun)
+    result = analyse(task, arms, runs, baseline="AdamW (tuned lr)")
+    for spec in arms:
+        arm = result["arms"][spec.name]
+        arm["hypergradient_beta"] = spec.hypergradient_beta
+        arm["final_lr"] = [r.optimizer.param_groups[0]["lr"] for r in runs[spec.name]]
+        controllers = [r.controller for r in runs[spec.name] if r.controller is not None]
+        if controllers:
+            cos = [c for ctl in controllers for c in ctl.cosines]
+            arm["mean_cosine"] = sum(cos) / len(cos)
+    result.update(task=name, data_source=task.data_source, details=task.details, steps=task.steps,
+                  eval_every=task.eval_every, lr_sweep=sweep, tuned_lr=tuned_lr, seeds=seeds,
+                  wall_s=time.perf_counter() - started)
+    return result
+
+
+def markdown(results: list[dict], meta: dict) -> str:
+    lines = [f"Hypergradient learning-rate control vs a tuned constant rate, `{meta['command']}` ({meta['date']}, "
+             f"{meta['device']}, torch {meta['torch']}, {meta['threads']} thread). Mean ± std over seeds.", ""]
+    for r in results:
+        lines += [f"### {r['task']}: {r['data_source']}", "",
+                  f"Target val loss {r['target_val_loss']:.4f} ({r['target_definition']}); tuned lr {r['tuned_lr']:g} "
+                  f"from sweep {r['lr_sweep']}; seeds {r['seeds']}.", "",
+                  "| arm | start lr | final lr | time to target (s) | speed-up | steps to target | gap vs tuned at equal time "
+                  "| final val loss |", "|---|---|---|---|---|---|---|---|"]
+        for name, arm in r["arms"].items():
+            s = arm["summary"]
+            reached = f" ({s['reached_target']}/{len(arm['seeds'])} reached)" if s["reached_target"] < len(arm["seeds"]) else ""
+            final_lr = " / ".join(f"{lr:.3g}" for lr in arm["final_lr"])
+            lines.append(f"| {name} | {arm['lr']:g} | {final_lr} | {_fmt(s['time_to_target_s'], 2)}{reached} "
+                         f"| {_fmt(s['speedup_vs_baseline'], 2)}× | {_fmt(s['backward_to_target'], 0)} "
+                         f"| {_fmt(s['loss_gap_pct_at_equal_time'], 2, True)} | {_fmt(s['final_val_loss'], 4)} |")
+        cos = {n: a["mean_cosine"] for n, a in r["arms"].items() if "mean_cosine" in a}
+        if cos:
+            lines.append("\nMean cos(fresh gradient, last update) seen by the controller: "
+                         + ", ".join(f"{n.split('(')[-1].rstrip(')')} {c:+.4f}" for n, c in cos.items()) + ".")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax_lr) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for i, (name, arm) in enumerate(result["arms"].items()):
+        for j, seed in enumerate(arm["seeds"]):
+            style = dict(color=f"C{i}", lw=1.5 if j == 0 else 0.8, alpha=1.0 if j == 0 else 0.5,
+                         label=name if j == 0 else None)
+            ax.plot([p["time"] for p in seed["curve"]], [p["val_loss"] for p in seed["curve"]], **style)
+            ax_lr.plot([p["step"] for p in seed["curve"]], [p["lr"] for p in seed["curve"]], **style)
+    ax.axhline(result["target_val_loss"], color="black", ls="--", lw=0.8, label="target")
+    lows = [p["val_loss"] for a in result["arms"].values() for s in a["seeds"] for p in s["curve"]]
+    ax.set_ylim(min(lows) * 0.98, result["target_val_loss"] + 3 * (result["target_val_loss"] - min(lows)) + 1e-3)
+    ax.set_xlabel("training wall-clock (s)")
+    ax.set_ylabel("validation loss")
+    ax.legend(fontsize=7)
+    ax_lr.set_xlabel("step")
+    ax_lr.set_ylabel("learning rate")
+    ax_lr.set_yscale("log")
+    fig.suptitle(f"{result['task']}: hypergradient lr control vs tuned constant lr", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="hypergradient learning-rate control vs a tuned constant rate")
+    parser.add_argument("--tasks", nargs="+", default=["fashion", "charlm", "digits"])
+    parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--betas", nargs="+", type=float, default=list(BETAS))
+    parser.add_argument("--out", type=Path, default=Path("docs/results"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = dict(command="python -m bench.lr_control " + " ".join(argv if argv is not None else sys.argv[1:]),
+                date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                device=f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores",
+                torch=torch.__version__, threads=torch.get_num_threads())
+    results = []
+    for name in args.tasks:
+        result = benchmark_task(name, args.seeds, args.betas)
+        result["meta"] = meta
+        results.append(result)
+        (args.out / f"lr_control_{name}.json").write_text(json.dumps(result, indent=1))
+        plot(result, args.out / f"lr_control_{name}.png")
+    text = markdown(results, meta)
+    (args.out / "lr_control.md").write_text(text + "\n")
+    print("\n" + text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
