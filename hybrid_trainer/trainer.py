@@ -204,7 +204,9 @@ class HybridTrainer:
         self.stats.time_by_phase_s[phase.value] += result.wall_time_s
         self.step_count += 1
         if not (phase is Phase.PREDICT and result.rolled_back):
-            self.controller.advance(self._confidence, worth_margin=self._worth_margin())
+            # Once prediction is off for the run the controller never reads the margin again.
+            margin = self._worth_margin() if self.controller.prediction_enabled else None
+            self.controller.advance(self._confidence, worth_margin=margin)
         if phase is Phase.PREDICT and self.controller.phase is not Phase.PREDICT and self.offloader is not None:
             self.offloader.prefetch()  # overlaps the copy back with whatever the caller does next
         if self.profiler is not None:
@@ -337,7 +339,11 @@ class HybridTrainer:
             update_norm = update.update_norm
             if math.isfinite(update.cosine):
                 self._last_update_cosine = update.cosine
-        self.optimizer.zero_grad(set_to_none=True)
+        # What zero_grad(set_to_none=True) does, without its profiler scope: ~25 µs per step on
+        # the digits MLP, 2% of its step.
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
 
         self.monitor.observe(total, grad_norm)
         self.loss_trend.update(total)
