@@ -355,6 +355,25 @@ def _worth_text(h: dict) -> str:
             + (", ms: " + ", ".join(f"{k} {1e3 * v:.2f}" for k, v in costs.items()) if costs else "") + "), ")
 
 
+def seed_style(arm_index: int, seed_index: int, name: str) -> dict:
+    """Line style of one seed's curve: the arm's colour, the first seed bold and labelled."""
+    first = seed_index == 0
+    return dict(color=f"C{arm_index}", lw=1.6 if first else 0.8, alpha=1.0 if first else 0.5,
+                label=name if first else None)
+
+
+def plot_loss_curves(ax, result: dict) -> None:
+    """Validation loss vs training wall-clock of every arm and seed, with the target line."""
+    for i, (name, arm) in enumerate(result["arms"].items()):
+        for j, seed in enumerate(arm["seeds"]):
+            ax.plot([p["time"] for p in seed["curve"]], [p["val_loss"] for p in seed["curve"]], **seed_style(i, j, name))
+    ax.axhline(result["target_val_loss"], color="black", ls="--", lw=0.8, label="target")
+    ax.set_xlabel("training wall-clock (s)")
+    ax.set_ylabel("validation loss")
+    lows = [p["val_loss"] for a in result["arms"].values() for s in a["seeds"] for p in s["curve"]]
+    ax.set_ylim(min(lows) * 0.98, result["target_val_loss"] + 3 * (result["target_val_loss"] - min(lows)) + 1e-3)
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -370,18 +389,7 @@ def plot(result: dict, path: Path) -> None:
             label = f"{first_hybrid} seed 0: {phase}" if phase not in seen else None
             seen.add(phase)
             ax.axvspan(t0, nxt[0], color=PHASE_COLOURS.get(phase, "#eeeeee"), alpha=0.6, lw=0, label=label)
-    for i, (name, arm) in enumerate(result["arms"].items()):
-        colour = f"C{i}"
-        for j, seed in enumerate(arm["seeds"]):
-            xs = [p["time"] for p in seed["curve"]]
-            ys = [p["val_loss"] for p in seed["curve"]]
-            ax.plot(xs, ys, color=colour, lw=1.6 if j == 0 else 0.8, alpha=1.0 if j == 0 else 0.5,
-                    label=name if j == 0 else None)
-    ax.axhline(result["target_val_loss"], color="black", ls="--", lw=0.8, label="target")
-    ax.set_xlabel("training wall-clock (s)")
-    ax.set_ylabel("validation loss")
-    lows = [p["val_loss"] for a in result["arms"].values() for s in a["seeds"] for p in s["curve"]]
-    ax.set_ylim(min(lows) * 0.98, result["target_val_loss"] + 3 * (result["target_val_loss"] - min(lows)) + 1e-3)
+    plot_loss_curves(ax, result)
     ax.set_title(f"{result['task']}: {result['data_source'][:80]}", fontsize=9)
     ax.legend(fontsize=7, loc="upper right")
     fig.tight_layout()

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from .e2e import ArmRun, ArmSpec, _fmt, analyse, run_arms, sweep_lr
+from .e2e import ArmRun, ArmSpec, _fmt, analyse, plot_loss_curves, run_arms, seed_style, sweep_lr
 from .tasks import get_task
 
 BETAS = (0.005, 0.02)
@@ -175,18 +175,11 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax, ax_lr) = plt.subplots(1, 2, figsize=(12, 4.5))
+    plot_loss_curves(ax, result)
+    ax.legend(fontsize=7)
     for i, (name, arm) in enumerate(result["arms"].items()):
         for j, seed in enumerate(arm["seeds"]):
-            style = dict(color=f"C{i}", lw=1.5 if j == 0 else 0.8, alpha=1.0 if j == 0 else 0.5,
-                         label=name if j == 0 else None)
-            ax.plot([p["time"] for p in seed["curve"]], [p["val_loss"] for p in seed["curve"]], **style)
-            ax_lr.plot([p["step"] for p in seed["curve"]], [p["lr"] for p in seed["curve"]], **style)
-    ax.axhline(result["target_val_loss"], color="black", ls="--", lw=0.8, label="target")
-    lows = [p["val_loss"] for a in result["arms"].values() for s in a["seeds"] for p in s["curve"]]
-    ax.set_ylim(min(lows) * 0.98, result["target_val_loss"] + 3 * (result["target_val_loss"] - min(lows)) + 1e-3)
-    ax.set_xlabel("training wall-clock (s)")
-    ax.set_ylabel("validation loss")
-    ax.legend(fontsize=7)
+            ax_lr.plot([p["step"] for p in seed["curve"]], [p["lr"] for p in seed["curve"]], **seed_style(i, j, name))
     ax_lr.set_xlabel("step")
     ax_lr.set_ylabel("learning rate")
     ax_lr.set_yscale("log")
