@@ -92,10 +92,14 @@ class DeltaPredictor:
         update = self._before_flat.neg_()  # now u = θ_after − θ_before
         update_views = self._before
 
-        stats = UpdateStats(update_norm=float(update.norm()), cosine=float("nan"))
+        # One host read per recorded step for all the statistics below (each read of a GPU
+        # value waits for the device).
+        norm_u = update.norm()
         direction = self.current_direction(refresh=False)
         if self.n_updates > 0 and direction is not None:
-            stats = self._fit_scales(update, update_views, direction, stats)
+            stats = self._fit_scales(update_views, direction, norm_u)
+        else:
+            stats = UpdateStats(update_norm=float(norm_u), cosine=float("nan"))
 
         if self.n_updates == 0:
             self._ema_flat.copy_(update)
@@ -117,13 +121,12 @@ class DeltaPredictor:
         if self.n_updates == 0 or self._recording:
             return None
         direction = self.current_direction(refresh=False)
-        gain = 0.0
-        for g, d, s in zip(grads, direction[1], self.scales.tolist()):
-            if g is not None and s:
-                gain -= s * float(torch.dot(g.reshape(-1).float(), d.reshape(-1)))
-        return gain
+        # Per-tensor dots gathered on the device and read once, not one host read per tensor.
+        dots = torch.stack([torch.dot(g.reshape(-1).float(), d.reshape(-1)) if g is not None else d.new_zeros(())
+                            for g, d in zip(grads, direction[1])])
+        return -float(torch.dot(self.scales, dots))
 
-    def _fit_scales(self, update, update_views, direction, stats: UpdateStats) -> UpdateStats:
+    def _fit_scales(self, update_views, direction, norm_u: torch.Tensor) -> UpdateStats:
         direction_flat, direction_views = direction
         dots_ud = torch.stack([torch.dot(u.reshape(-1), d.reshape(-1)) for u, d in zip(update_views, direction_views)])
         dots_dd = torch.stack([torch.dot(d.reshape(-1), d.reshape(-1)) for d in direction_views])
@@ -134,8 +137,7 @@ class DeltaPredictor:
         else:
             self.scales.mul_(self.scale_beta).add_(fits, alpha=1 - self.scale_beta)
         self.n_scale_fits += 1
-        ud, dd = float(dots_ud.sum()), float(dots_dd.sum())
-        norm_u = stats.update_norm
+        norm_u, ud, dd = torch.stack([norm_u, dots_ud.sum(), dots_dd.sum()]).tolist()
         cosine = ud / (math.sqrt(dd) * norm_u) if dd > 0 and norm_u > 0 else 0.0
         return UpdateStats(update_norm=norm_u, cosine=cosine)
 

@@ -443,6 +443,41 @@ def test_linear_direction_is_the_least_squares_slope_of_recorded_updates():
     assert predictor._history[0][0].dtype == torch.int8  # kept compact
 
 
+
+def test_recorded_update_statistics_and_predicted_gain_match_a_float64_reference():
+    """end_step's norm, cosine and scale fits and predicted_gain are read from the device once
+    each; their values must still be the per-tensor definitions."""
+    from hybrid_trainer.predictor import DeltaPredictor
+
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.zeros(30, 7), torch.zeros(7), torch.zeros(5, 3)]
+    predictor = DeltaPredictor(params, direction="ema", ema_beta=0.5, scale_beta=0.9, scale_max=4.0)
+    ema = None
+    scales = None
+    for k in range(3):
+        updates = [torch.randn(p.shape, generator=gen) * 0.01 + 0.003 * (i + 1) for i, p in enumerate(params)]
+        predictor.begin_step()
+        for p, u in zip(params, updates):
+            p += u
+        stats = predictor.end_step()
+        flat_u = torch.cat([u.reshape(-1) for u in updates]).double()
+        assert stats.update_norm == pytest.approx(float(flat_u.norm()), rel=1e-6)
+        if ema is None:
+            assert math.isnan(stats.cosine)
+            ema = [u.double() for u in updates]
+            continue
+        flat_d = torch.cat([d.reshape(-1) for d in ema])
+        assert stats.cosine == pytest.approx(float(flat_u @ flat_d / (flat_u.norm() * flat_d.norm())), rel=1e-5)
+        fits = [float((u.double() * d).sum() / (d * d).sum()) for u, d in zip(updates, ema)]
+        fits = [min(max(f, 0.0), 4.0) for f in fits]
+        scales = fits if scales is None else [0.9 * s + 0.1 * f for s, f in zip(scales, fits)]
+        assert predictor.scales.tolist() == pytest.approx(scales, rel=1e-5)
+        ema = [0.5 * d + 0.5 * u.double() for d, u in zip(ema, updates)]
+    grads = [torch.randn(p.shape, generator=gen) for p in params]
+    grads[1] = None  # a parameter without a gradient contributes nothing
+    expected = -sum(s * float((g.double() * d).sum()) for g, d, s in zip(grads, ema, scales) if g is not None)
+    assert predictor.predicted_gain(grads) == pytest.approx(expected, rel=1e-5)
+
 def test_an_error_mid_predict_leaves_only_verified_weights(stream):
     trainer = make_trainer(**ALWAYS, predict_lengths=(8,), verify_every=8)
     i = run_until_phase(trainer, stream, Phase.PREDICT)
