@@ -18,7 +18,13 @@ Protocol: that of ``bench.e2e`` (same initialisation, same batches, arms interle
 chunk, target = the tuned loop's validation loss at 80% of its steps). Arms: AdamW at the swept
 rate, at 2× it, and the controlled loop from the tuned rate at each ``--betas``. The controller's
 own cost (a copy of the weights and three reductions per step) is in the controlled arms' time.
+``--cosine-factors`` adds reference arms that need no signal at all: linear warmup over 5% of the
+budget, then a cosine to zero at its end, peaking at each factor × the tuned rate (with
+``--tag``, so they are written beside, not over, the controller's results). They ask whether any
+learning-rate schedule of the plain loop comes near the 2× the end-to-end goal asks for.
+
 Writes ``<out>/lr_control_<task>.json``, ``<out>/lr_control.md`` and ``<out>/lr_control_<task>.png``
+(``_<tag>`` added to each name with ``--tag``)
 (validation loss vs wall-clock, and each controlled arm's learning rate over steps).
 """
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import math
 import os
 import platform
 import sys
@@ -85,23 +92,43 @@ class HypergradientLR:
         self._has_update = True
 
 
+WARMUP_FRACTION = 0.05  # of the plain budget, for the warmup-cosine reference arms
+
+
+def warmup_cosine(total_steps: int):
+    """LambdaLR factor: linear warmup over ``WARMUP_FRACTION`` of ``total_steps``, then a cosine
+    from 1 to 0 at ``total_steps``."""
+    warmup = max(1, round(WARMUP_FRACTION * total_steps))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    return factor
+
+
 @dataclass
 class ControlledArmSpec(ArmSpec):
-    hypergradient_beta: float | None = None  # None: the plain loop, uncontrolled
+    hypergradient_beta: float | None = None  # None: no hypergradient control
+    cosine: bool = False  # warmup-cosine schedule over the plain budget, peaking at ``lr``
 
 
 class ControlledArmRun(ArmRun):
-    """The e2e plain AdamW loop, with the hypergradient controller when the arm has a ``beta``;
-    the learning rate is recorded at each evaluation."""
+    """The e2e plain AdamW loop, with the hypergradient controller when the arm has a ``beta``
+    and a warmup-cosine schedule when it asks for one; the learning rate is recorded at each
+    evaluation."""
 
     def __post_init__(self):
         super().__post_init__()
         beta = getattr(self.spec, "hypergradient_beta", None)
         self.controller = None if beta is None else HypergradientLR(self.optimizer, beta)
+        self.scheduler = (torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_cosine(self.budget))
+                          if getattr(self.spec, "cosine", False) else None)
         self.curve[-1]["lr"] = self.optimizer.param_groups[0]["lr"]
 
     def run_chunk(self, n: int, record_phases: bool) -> None:
-        if self.controller is None:
+        if self.controller is None and self.scheduler is None:
             super().run_chunk(n, record_phases)
         else:
             n = min(n, self.budget - self.steps)
@@ -110,9 +137,13 @@ class ControlledArmRun(ArmRun):
             for batch in batches:
                 self.optimizer.zero_grad(set_to_none=True)
                 self.task.loss_fn(self.model, batch).backward()
-                self.controller.before_step()
+                if self.controller is not None:
+                    self.controller.before_step()
                 self.optimizer.step()
-                self.controller.after_step()
+                if self.controller is not None:
+                    self.controller.after_step()
+                if self.scheduler is not None:
+                    self.scheduler.step()
             self.backward += n
             self.forward += n
             self.train_time += time.perf_counter() - start
@@ -121,12 +152,13 @@ class ControlledArmRun(ArmRun):
         self.curve[-1]["lr"] = self.optimizer.param_groups[0]["lr"]
 
 
-def benchmark_task(name: str, n_seeds: int, betas: list[float]) -> dict:
+def benchmark_task(name: str, n_seeds: int, betas: list[float], cosine_factors: list[float]) -> dict:
     task = get_task(name)
     print(f"\n== {name}: {task.data_source}", flush=True)
     tuned_lr, sweep = sweep_lr(task, seed=1000)
     arms = [ControlledArmSpec("AdamW (tuned lr)", tuned_lr), ControlledArmSpec("AdamW (2x lr)", 2 * tuned_lr)]
     arms += [ControlledArmSpec(f"AdamW + hypergradient lr (beta {b:g})", tuned_lr, hypergradient_beta=b) for b in betas]
+    arms += [ControlledArmSpec(f"AdamW + warmup-cosine, peak {f:g}x lr", f * tuned_lr, cosine=True) for f in cosine_factors]
     seeds = list(range(n_seeds))
     started = time.perf_counter()
     runs = run_arms(task, arms, seeds, desc=f"{name}: {len(arms)} arms x {n_seeds} seeds", make_run=ControlledArmRun)
@@ -134,6 +166,7 @@ def benchmark_task(name: str, n_seeds: int, betas: list[float]) -> dict:
     for spec in arms:
         arm = result["arms"][spec.name]
         arm["hypergradient_beta"] = spec.hypergradient_beta
+        arm["cosine_schedule"] = spec.cosine
         arm["final_lr"] = [r.optimizer.param_groups[0]["lr"] for r in runs[spec.name]]
         controllers = [r.controller for r in runs[spec.name] if r.controller is not None]
         if controllers:
@@ -146,13 +179,13 @@ def benchmark_task(name: str, n_seeds: int, betas: list[float]) -> dict:
 
 
 def markdown(results: list[dict], meta: dict) -> str:
-    lines = [f"Hypergradient learning-rate control vs a tuned constant rate, `{meta['command']}` ({meta['date']}, "
+    lines = [f"Learning-rate control vs a tuned constant rate, `{meta['command']}` ({meta['date']}, "
              f"{meta['device']}, torch {meta['torch']}, {meta['threads']} thread). Mean ± std over seeds.", ""]
     for r in results:
         lines += [f"### {r['task']}: {r['data_source']}", "",
                   f"Target val loss {r['target_val_loss']:.4f} ({r['target_definition']}); tuned lr {r['tuned_lr']:g} "
                   f"from sweep {r['lr_sweep']}; seeds {r['seeds']}.", "",
-                  "| arm | start lr | final lr | time to target (s) | speed-up | steps to target | gap vs tuned at equal time "
+                  "| arm | start (peak) lr | final lr | time to target (s) | speed-up | steps to target | gap vs tuned at equal time "
                   "| final val loss |", "|---|---|---|---|---|---|---|---|"]
         for name, arm in r["arms"].items():
             s = arm["summary"]
@@ -183,7 +216,7 @@ def plot(result: dict, path: Path) -> None:
     ax_lr.set_xlabel("step")
     ax_lr.set_ylabel("learning rate")
     ax_lr.set_yscale("log")
-    fig.suptitle(f"{result['task']}: hypergradient lr control vs tuned constant lr", fontsize=10)
+    fig.suptitle(f"{result['task']}: learning-rate control vs a tuned constant rate", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -193,7 +226,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="hypergradient learning-rate control vs a tuned constant rate")
     parser.add_argument("--tasks", nargs="+", default=["fashion", "charlm", "digits"])
     parser.add_argument("--seeds", type=int, default=2)
-    parser.add_argument("--betas", nargs="+", type=float, default=list(BETAS))
+    parser.add_argument("--betas", nargs="*", type=float, default=list(BETAS),
+                        help="hypergradient arms (none: give the flag alone)")
+    parser.add_argument("--cosine-factors", nargs="*", type=float, default=[],
+                        help="warmup-cosine reference arms, peak lr = factor x the tuned lr")
+    parser.add_argument("--tag", default=None, help="write lr_control_<task>_<tag>.* and lr_control_<tag>.md")
     parser.add_argument("--out", type=Path, default=Path("docs/results"))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -204,13 +241,14 @@ def main(argv: list[str] | None = None) -> int:
                 torch=torch.__version__, threads=torch.get_num_threads())
     results = []
     for name in args.tasks:
-        result = benchmark_task(name, args.seeds, args.betas)
+        result = benchmark_task(name, args.seeds, args.betas, args.cosine_factors)
         result["meta"] = meta
         results.append(result)
-        (args.out / f"lr_control_{name}.json").write_text(json.dumps(result, indent=1))
-        plot(result, args.out / f"lr_control_{name}.png")
+        stem = f"lr_control_{name}" + (f"_{args.tag}" if args.tag else "")
+        (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+        plot(result, args.out / f"{stem}.png")
     text = markdown(results, meta)
-    (args.out / "lr_control.md").write_text(text + "\n")
+    (args.out / ("lr_control" + (f"_{args.tag}" if args.tag else "") + ".md")).write_text(text + "\n")
     print("\n" + text)
     return 0
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from bench import lr_control
-from bench.lr_control import HypergradientLR
+from bench.lr_control import HypergradientLR, warmup_cosine
 
 
 def _quadratic_run(lr: float, beta: float, steps: int, bounds=(0.1, 10.0)):
@@ -43,9 +43,21 @@ def test_rate_stays_within_bounds_and_bad_beta_is_refused():
         HypergradientLR(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1), beta=0.0)
 
 
+def test_warmup_cosine_rises_linearly_then_falls_to_zero_at_the_budget():
+    factor = warmup_cosine(200)  # warmup: 5% = 10 steps
+    assert [factor(s) for s in (0, 4, 9)] == pytest.approx([0.1, 0.5, 1.0])
+    assert factor(10) == pytest.approx(1.0) and factor(105) == pytest.approx(0.5) and factor(200) == pytest.approx(0.0)
+    after = [factor(s) for s in range(10, 201)]
+    assert all(a >= b for a, b in zip(after, after[1:]))
+
+
 def test_benchmark_writes_json_table_and_plot(tmp_path):
-    assert lr_control.main(["--tasks", "digits", "--seeds", "1", "--betas", "0.02", "--out", str(tmp_path)]) == 0
-    result = json.loads((tmp_path / "lr_control_digits.json").read_text())
+    assert lr_control.main(["--tasks", "digits", "--seeds", "1", "--betas", "0.02", "--cosine-factors", "2",
+                            "--tag", "t", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "lr_control_digits_t.json").read_text())
+    cosine = result["arms"]["AdamW + warmup-cosine, peak 2x lr"]
+    assert cosine["cosine_schedule"] and cosine["lr"] == 2 * result["tuned_lr"]
+    assert cosine["final_lr"] == [pytest.approx(0.0, abs=1e-12)]
     controlled = result["arms"]["AdamW + hypergradient lr (beta 0.02)"]
     assert controlled["hypergradient_beta"] == 0.02 and -1.0 <= controlled["mean_cosine"] <= 1.0
     curve = controlled["seeds"][0]["curve"]
@@ -53,6 +65,6 @@ def test_benchmark_writes_json_table_and_plot(tmp_path):
     assert curve[-1]["lr"] != result["tuned_lr"]  # the controller moved the rate
     plain = result["arms"]["AdamW (tuned lr)"]
     assert plain["final_lr"] == [result["tuned_lr"]] and plain["summary"]["speedup_vs_baseline"]["mean"] == 1.0
-    table = (tmp_path / "lr_control.md").read_text()
-    assert table.count("\n| AdamW") == 3 and "Mean cos(fresh gradient, last update)" in table
-    assert (tmp_path / "lr_control_digits.png").stat().st_size > 5000
+    table = (tmp_path / "lr_control_t.md").read_text()
+    assert table.count("\n| AdamW") == 4 and "Mean cos(fresh gradient, last update)" in table
+    assert (tmp_path / "lr_control_digits_t.png").stat().st_size > 5000
