@@ -299,7 +299,7 @@ def benchmark_task(name: str, quick: bool, n_seeds: int, presets: list[str]) -> 
 
 
 # ------------------------------------------------------------------------------ reporting ----
-def _fmt(ms: dict, digits: int = 3, pct: bool = False) -> str:
+def format_mean_std(ms: dict, digits: int = 3, pct: bool = False) -> str:
     if ms["mean"] is None:
         return "not reached"
     unit = "%" if pct else ""
@@ -311,6 +311,7 @@ def _num(value, digits: int = 3) -> str:
 
 
 def markdown(results: list[dict], meta: dict) -> str:
+    cell = format_mean_std
     lines = [f"End-to-end benchmark, `{meta['command']}` ({meta['date']}, {meta['device']}, "
              f"torch {meta['torch']}, {meta['threads']} thread(s)). Mean ± std over seeds.", ""]
     for r in results:
@@ -326,12 +327,12 @@ def markdown(results: list[dict], meta: dict) -> str:
         for name, arm in r["arms"].items():
             s = arm["summary"]
             reached = f" ({s['reached_target']}/{len(arm['seeds'])} reached)" if s["reached_target"] < len(arm["seeds"]) else ""
-            saved = _fmt(s["backward_saved_pct"], 1, True) if arm["hybrid"] else "–"
+            saved = cell(s["backward_saved_pct"], 1, True) if arm["hybrid"] else "–"
             ver = f"{s['verifications_accepted']}/{s['verifications_rejected']}" if arm["hybrid"] else "–"
-            lines.append(f"| {name} | {arm['lr']:g} | {_fmt(s['time_to_target_s'], 2)}{reached} | {_fmt(s['speedup_vs_baseline'], 2)}× "
-                         f"| {_fmt(s['backward_to_target'], 0)} | {_fmt(s['forward_to_target'], 0)} "
-                         f"| {_fmt(s['val_loss_at_equal_time'], 4)} | {_fmt(s['loss_gap_pct_at_equal_time'], 2, True)} "
-                         f"| {_fmt(s['final_val_loss'], 4)} | {saved} | {ver} |")
+            lines.append(f"| {name} | {arm['lr']:g} | {cell(s['time_to_target_s'], 2)}{reached} | {cell(s['speedup_vs_baseline'], 2)}× "
+                         f"| {cell(s['backward_to_target'], 0)} | {cell(s['forward_to_target'], 0)} "
+                         f"| {cell(s['val_loss_at_equal_time'], 4)} | {cell(s['loss_gap_pct_at_equal_time'], 2, True)} "
+                         f"| {cell(s['final_val_loss'], 4)} | {saved} | {ver} |")
         for name, arm in r["arms"].items():
             if arm["hybrid"]:
                 h = arm["seeds"][0]["hybrid"]

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from .e2e import ArmRun, ArmSpec, _fmt, analyse, plot_loss_curves, run_arms, seed_style, sweep_lr
+from .e2e import ArmRun, ArmSpec, analyse, format_mean_std, plot_loss_curves, run_arms, seed_style, sweep_lr
 from .tasks import get_task
 
 BETAS = (0.005, 0.02)
@@ -179,6 +179,7 @@ def benchmark_task(name: str, n_seeds: int, betas: list[float], cosine_factors: 
 
 
 def markdown(results: list[dict], meta: dict) -> str:
+    cell = format_mean_std
     lines = [f"Learning-rate control vs a tuned constant rate, `{meta['command']}` ({meta['date']}, "
              f"{meta['device']}, torch {meta['torch']}, {meta['threads']} thread). Mean ± std over seeds.", ""]
     for r in results:
@@ -191,9 +192,9 @@ def markdown(results: list[dict], meta: dict) -> str:
             s = arm["summary"]
             reached = f" ({s['reached_target']}/{len(arm['seeds'])} reached)" if s["reached_target"] < len(arm["seeds"]) else ""
             final_lr = " / ".join(f"{lr:.3g}" for lr in arm["final_lr"])
-            lines.append(f"| {name} | {arm['lr']:g} | {final_lr} | {_fmt(s['time_to_target_s'], 2)}{reached} "
-                         f"| {_fmt(s['speedup_vs_baseline'], 2)}× | {_fmt(s['backward_to_target'], 0)} "
-                         f"| {_fmt(s['loss_gap_pct_at_equal_time'], 2, True)} | {_fmt(s['final_val_loss'], 4)} |")
+            lines.append(f"| {name} | {arm['lr']:g} | {final_lr} | {cell(s['time_to_target_s'], 2)}{reached} "
+                         f"| {cell(s['speedup_vs_baseline'], 2)}× | {cell(s['backward_to_target'], 0)} "
+                         f"| {cell(s['loss_gap_pct_at_equal_time'], 2, True)} | {cell(s['final_val_loss'], 4)} |")
         cos = {n: a["mean_cosine"] for n, a in r["arms"].items() if "mean_cosine" in a}
         if cos:
             lines.append("\nMean cos(fresh gradient, last update) seen by the controller: "
