@@ -62,7 +62,7 @@ bench-nowcast: data
 	$(PY) -m bench.nowcast report --out docs/results
 
 # Worth of predicted steps against batch size, full-batch digits end to end, the worth signal
-# driving the learning rate and warmup-cosine schedules for reference (~45 min):
+# driving the learning rate and warmup-cosine schedules and clipping for reference (~60 min):
 # docs/results/predictors_<task>_batch_sweep.*, docs/results/fullbatch/ and docs/results/lr_control*.
 bench-worth: data
 	$(PY) -m bench.predictors --task digits --steps 300 --lr 0.003 --batch-sizes 16 64 256 1437 --out docs/results
@@ -71,6 +71,7 @@ bench-worth: data
 	$(PY) -m bench.e2e --tasks digits-full --out docs/results/fullbatch
 	$(PY) -m bench.lr_control --out docs/results
 	$(PY) -m bench.lr_control --tasks fashion charlm --betas --cosine-factors 1 2 4 --tag cosine --out docs/results
+	$(PY) -m bench.lr_control --tasks charlm --betas --clipped-factors 1 2 4 --tag clip --out docs/results
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .benchmarks

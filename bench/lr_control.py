@@ -22,6 +22,8 @@ own cost (a copy of the weights and three reductions per step) is in the control
 budget, then a cosine to zero at its end, peaking at each factor × the tuned rate (with
 ``--tag``, so they are written beside, not over, the controller's results). They ask whether any
 learning-rate schedule of the plain loop comes near the 2× the end-to-end goal asks for.
+``--clipped-factors`` adds constant-rate arms whose global gradient norm is clipped to 1.0: does
+clipping make a larger rate stable?
 
 Writes ``<out>/lr_control_<task>.json``, ``<out>/lr_control.md`` and ``<out>/lr_control_<task>.png``
 (``_<tag>`` added to each name with ``--tag``)
@@ -93,6 +95,7 @@ class HypergradientLR:
 
 
 WARMUP_FRACTION = 0.05  # of the plain budget, for the warmup-cosine reference arms
+CLIP_NORM = 1.0  # max global gradient norm of the clipped reference arms (nanoGPT's default)
 
 
 def warmup_cosine(total_steps: int):
@@ -112,12 +115,13 @@ def warmup_cosine(total_steps: int):
 class ControlledArmSpec(ArmSpec):
     hypergradient_beta: float | None = None  # None: no hypergradient control
     cosine: bool = False  # warmup-cosine schedule over the plain budget, peaking at ``lr``
+    clip: bool = False  # clip the global gradient norm to CLIP_NORM before each step
 
 
 class ControlledArmRun(ArmRun):
     """The e2e plain AdamW loop, with the hypergradient controller when the arm has a ``beta``
-    and a warmup-cosine schedule when it asks for one; the learning rate is recorded at each
-    evaluation."""
+    and a warmup-cosine schedule or gradient clipping when it asks for them; the learning rate is
+    recorded at each evaluation."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -128,7 +132,7 @@ class ControlledArmRun(ArmRun):
         self.curve[-1]["lr"] = self.optimizer.param_groups[0]["lr"]
 
     def run_chunk(self, n: int, record_phases: bool) -> None:
-        if self.controller is None and self.scheduler is None:
+        if self.controller is None and self.scheduler is None and not self.spec.clip:
             super().run_chunk(n, record_phases)
         else:
             n = min(n, self.budget - self.steps)
@@ -137,6 +141,8 @@ class ControlledArmRun(ArmRun):
             for batch in batches:
                 self.optimizer.zero_grad(set_to_none=True)
                 self.task.loss_fn(self.model, batch).backward()
+                if self.spec.clip:
+                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), CLIP_NORM)
                 if self.controller is not None:
                     self.controller.before_step()
                 self.optimizer.step()
@@ -152,13 +158,15 @@ class ControlledArmRun(ArmRun):
         self.curve[-1]["lr"] = self.optimizer.param_groups[0]["lr"]
 
 
-def benchmark_task(name: str, n_seeds: int, betas: list[float], cosine_factors: list[float]) -> dict:
+def benchmark_task(name: str, n_seeds: int, betas: list[float], cosine_factors: list[float],
+                   clipped_factors: list[float]) -> dict:
     task = get_task(name)
     print(f"\n== {name}: {task.data_source}", flush=True)
     tuned_lr, sweep = sweep_lr(task, seed=1000)
     arms = [ControlledArmSpec("AdamW (tuned lr)", tuned_lr), ControlledArmSpec("AdamW (2x lr)", 2 * tuned_lr)]
     arms += [ControlledArmSpec(f"AdamW + hypergradient lr (beta {b:g})", tuned_lr, hypergradient_beta=b) for b in betas]
     arms += [ControlledArmSpec(f"AdamW + warmup-cosine, peak {f:g}x lr", f * tuned_lr, cosine=True) for f in cosine_factors]
+    arms += [ControlledArmSpec(f"AdamW + grad clip {CLIP_NORM:g}, {f:g}x lr", f * tuned_lr, clip=True) for f in clipped_factors]
     seeds = list(range(n_seeds))
     started = time.perf_counter()
     runs = run_arms(task, arms, seeds, desc=f"{name}: {len(arms)} arms x {n_seeds} seeds", make_run=ControlledArmRun)
@@ -167,6 +175,7 @@ def benchmark_task(name: str, n_seeds: int, betas: list[float], cosine_factors: 
         arm = result["arms"][spec.name]
         arm["hypergradient_beta"] = spec.hypergradient_beta
         arm["cosine_schedule"] = spec.cosine
+        arm["grad_clip"] = CLIP_NORM if spec.clip else None
         arm["final_lr"] = [r.optimizer.param_groups[0]["lr"] for r in runs[spec.name]]
         controllers = [r.controller for r in runs[spec.name] if r.controller is not None]
         if controllers:
@@ -231,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="hypergradient arms (none: give the flag alone)")
     parser.add_argument("--cosine-factors", nargs="*", type=float, default=[],
                         help="warmup-cosine reference arms, peak lr = factor x the tuned lr")
+    parser.add_argument("--clipped-factors", nargs="*", type=float, default=[],
+                        help=f"constant-rate reference arms with the gradient norm clipped to {CLIP_NORM:g}, "
+                             "lr = factor x the tuned lr")
     parser.add_argument("--tag", default=None, help="write lr_control_<task>_<tag>.* and lr_control_<tag>.md")
     parser.add_argument("--out", type=Path, default=Path("docs/results"))
     args = parser.parse_args(argv)
@@ -242,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
                 torch=torch.__version__, threads=torch.get_num_threads())
     results = []
     for name in args.tasks:
-        result = benchmark_task(name, args.seeds, args.betas, args.cosine_factors)
+        result = benchmark_task(name, args.seeds, args.betas, args.cosine_factors, args.clipped_factors)
         result["meta"] = meta
         results.append(result)
         stem = f"lr_control_{name}" + (f"_{args.tag}" if args.tag else "")

@@ -53,11 +53,14 @@ def test_warmup_cosine_rises_linearly_then_falls_to_zero_at_the_budget():
 
 def test_benchmark_writes_json_table_and_plot(tmp_path):
     assert lr_control.main(["--tasks", "digits", "--seeds", "1", "--betas", "0.02", "--cosine-factors", "2",
-                            "--tag", "t", "--out", str(tmp_path)]) == 0
+                            "--clipped-factors", "2", "--tag", "t", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "lr_control_digits_t.json").read_text())
     cosine = result["arms"]["AdamW + warmup-cosine, peak 2x lr"]
     assert cosine["cosine_schedule"] and cosine["lr"] == 2 * result["tuned_lr"]
-    assert cosine["final_lr"] == [pytest.approx(0.0, abs=1e-12)]
+    assert cosine["final_lr"] == [pytest.approx(0.0, abs=1e-12)] and cosine["grad_clip"] is None
+    clipped = result["arms"]["AdamW + grad clip 1, 2x lr"]
+    assert clipped["grad_clip"] == 1.0 and clipped["final_lr"] == [2 * result["tuned_lr"]]
+    assert not clipped["cosine_schedule"] and clipped["hypergradient_beta"] is None
     controlled = result["arms"]["AdamW + hypergradient lr (beta 0.02)"]
     assert controlled["hypergradient_beta"] == 0.02 and -1.0 <= controlled["mean_cosine"] <= 1.0
     curve = controlled["seeds"][0]["curve"]
@@ -66,5 +69,5 @@ def test_benchmark_writes_json_table_and_plot(tmp_path):
     plain = result["arms"]["AdamW (tuned lr)"]
     assert plain["final_lr"] == [result["tuned_lr"]] and plain["summary"]["speedup_vs_baseline"]["mean"] == 1.0
     table = (tmp_path / "lr_control_t.md").read_text()
-    assert table.count("\n| AdamW") == 4 and "Mean cos(fresh gradient, last update)" in table
+    assert table.count("\n| AdamW") == 5 and "Mean cos(fresh gradient, last update)" in table
     assert (tmp_path / "lr_control_digits_t.png").stat().st_size > 5000
