@@ -62,7 +62,7 @@ bench-nowcast: data
 	$(PY) -m bench.nowcast report --out docs/results
 
 # Worth of predicted steps against batch size, full-batch digits end to end, the worth signal
-# driving the learning rate and warmup-cosine schedules and clipping for reference (~60 min):
+# driving the learning rate, and warmup-cosine schedules and gradient clipping for reference (~60 min):
 # docs/results/predictors_<task>_batch_sweep.*, docs/results/fullbatch/ and docs/results/lr_control*.
 bench-worth: data
 	$(PY) -m bench.predictors --task digits --steps 300 --lr 0.003 --batch-sizes 16 64 256 1437 --out docs/results
