@@ -127,7 +127,7 @@ class DeltaPredictor:
         return -float(torch.dot(self.scales, dots))
 
     def _fit_scales(self, update_views, direction, norm_u: torch.Tensor) -> UpdateStats:
-        direction_flat, direction_views = direction
+        _, direction_views = direction
         dots_ud = torch.stack([torch.dot(u.reshape(-1), d.reshape(-1)) for u, d in zip(update_views, direction_views)])
         dots_dd = torch.stack([torch.dot(d.reshape(-1), d.reshape(-1)) for d in direction_views])
         fits = torch.where(dots_dd > 0, dots_ud / dots_dd.clamp_min(1e-30), torch.zeros_like(dots_dd))
