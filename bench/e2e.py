@@ -98,12 +98,7 @@ class ArmRun:
         start = time.perf_counter()
         if self.trainer is None:
             for batch in batches:
-                self.optimizer.zero_grad(set_to_none=True)
-                loss = self.task.loss_fn(self.model, batch)
-                loss.backward()
-                self.optimizer.step()
-                if self.average is not None:
-                    self.average.update()
+                self.plain_step(batch)
             self.backward += n
             self.forward += n
         else:
@@ -116,6 +111,14 @@ class ArmRun:
         self.train_time += time.perf_counter() - start
         self.steps += n
         self._eval()
+
+    def plain_step(self, batch) -> None:
+        """One step of the plain AdamW loop (subclasses add to it, e.g. ``bench.lr_control``)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.task.loss_fn(self.model, batch).backward()
+        self.optimizer.step()
+        if self.average is not None:
+            self.average.update()
 
     def _eval(self) -> None:
         self.model.eval()

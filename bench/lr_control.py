@@ -125,36 +125,27 @@ class ControlledArmRun(ArmRun):
 
     def __post_init__(self):
         super().__post_init__()
-        beta = getattr(self.spec, "hypergradient_beta", None)
+        beta = self.spec.hypergradient_beta
         self.controller = None if beta is None else HypergradientLR(self.optimizer, beta)
         self.scheduler = (torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_cosine(self.budget))
-                          if getattr(self.spec, "cosine", False) else None)
+                          if self.spec.cosine else None)
         self.curve[-1]["lr"] = self.optimizer.param_groups[0]["lr"]
 
+    def plain_step(self, batch) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.task.loss_fn(self.model, batch).backward()
+        if self.spec.clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), CLIP_NORM)
+        if self.controller is not None:
+            self.controller.before_step()
+        self.optimizer.step()
+        if self.controller is not None:
+            self.controller.after_step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+
     def run_chunk(self, n: int, record_phases: bool) -> None:
-        if self.controller is None and self.scheduler is None and not self.spec.clip:
-            super().run_chunk(n, record_phases)
-        else:
-            n = min(n, self.budget - self.steps)
-            batches = [next(self.stream) for _ in range(n)]  # data loading is not training time
-            start = time.perf_counter()
-            for batch in batches:
-                self.optimizer.zero_grad(set_to_none=True)
-                self.task.loss_fn(self.model, batch).backward()
-                if self.spec.clip:
-                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), CLIP_NORM)
-                if self.controller is not None:
-                    self.controller.before_step()
-                self.optimizer.step()
-                if self.controller is not None:
-                    self.controller.after_step()
-                if self.scheduler is not None:
-                    self.scheduler.step()
-            self.backward += n
-            self.forward += n
-            self.train_time += time.perf_counter() - start
-            self.steps += n
-            self._eval()
+        super().run_chunk(n, record_phases)
         self.curve[-1]["lr"] = self.optimizer.param_groups[0]["lr"]
 
 
