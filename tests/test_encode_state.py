@@ -27,6 +27,8 @@ from hybrid_kernels.encode_state import (
 )
 
 F = FEATURE_INDEX
+# The Triton tests need tensors where the kernels run: CPU under the interpreter, else the GPU.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 # The interpreter evaluates `x - x` on the stored inf/nan entries with numpy (that is how the
 # kernels detect them); numpy's warning about it is expected.
@@ -34,7 +36,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:Runtim
 
 
 def _rich_history(loss_capacity=100, grad_capacity=20, update_capacity=64, n_steps=137, seed=1,
-                  device="cpu") -> StateHistory:
+                  device=DEVICE) -> StateHistory:
     """A history with wrapped rings, a trend, noise, and every scalar set to a non-default value."""
     g = torch.Generator().manual_seed(seed)
     h = StateHistory(loss_capacity, grad_capacity, update_capacity, device=device)
@@ -49,7 +51,7 @@ def _rich_history(loss_capacity=100, grad_capacity=20, update_capacity=64, n_ste
     return h
 
 
-def _moment_pairs(sizes=(1, 17, 1000, 70000), dtype=torch.float32, device="cpu", seed=0):
+def _moment_pairs(sizes=(1, 17, 1000, 70000), dtype=torch.float32, device=DEVICE, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(n, generator=g).to(device, dtype), (torch.rand(n, generator=g) * 1e-3).to(device, dtype))
             for n in sizes]
@@ -124,7 +126,7 @@ def _np_ema(x, alpha):
 
 
 def test_eager_window_features_match_numpy(monkeypatch):
-    h = _rich_history()
+    h = _rich_history(device="cpu")
     f = _eager(h, monkeypatch=monkeypatch).double()
     loss = h.values("loss").double().numpy()
     t = np.arange(len(loss), dtype=np.float64)
@@ -222,12 +224,12 @@ def test_output_is_always_finite_for_any_pushed_values(values):
 # Triton kernels against the eager reference (interpreter on CPU)
 # --------------------------------------------------------------------------------------------
 def _histories():
-    yield "empty", StateHistory()
-    one = StateHistory(loss_capacity=7, grad_norm_capacity=3, update_norm_capacity=5)
+    yield "empty", StateHistory(device=DEVICE)
+    one = StateHistory(loss_capacity=7, grad_norm_capacity=3, update_norm_capacity=5, device=DEVICE)
     one.push_loss(1.25)
     one.push_update_norm(0.5)
     yield "one_value", one
-    three = StateHistory()
+    three = StateHistory(device=DEVICE)
     for v in (2.0, 1.5, 1.75):
         three.push_loss(v)
         three.push_grad_norm(v * 2)
@@ -294,8 +296,8 @@ def test_no_slot_is_constant_across_histories(monkeypatch):
 # Optimizer moments: multi-tensor reduction
 # --------------------------------------------------------------------------------------------
 def _np_moment_stats(pairs, second=True):
-    m = np.concatenate([p[0].double().flatten().numpy() for p in pairs])
-    v = np.concatenate([p[1].double().flatten().numpy() for p in pairs]) if second else np.zeros_like(m)
+    m = np.concatenate([p[0].double().flatten().cpu().numpy() for p in pairs])
+    v = np.concatenate([p[1].double().flatten().cpu().numpy() for p in pairs]) if second else np.zeros_like(m)
     ok = np.isfinite(m) & np.isfinite(v)
     m, v = np.abs(m[ok]), np.abs(v[ok])
     return [2.0 if second else 1.0, m.mean(), m.std(), v.mean() if second else 0.0, v.std() if second else 0.0,
@@ -312,7 +314,7 @@ def test_moment_reduction_triton_one_launch_per_dtype_group_matches_numpy():
     stats = moment_statistics(pairs)
     assert hybrid_kernels.last_backend("encode_state") == "triton"
     assert kernel_launches()["moments"] == before + 3
-    np.testing.assert_allclose(stats.double().numpy(), _np_moment_stats(pairs), rtol=1e-5, atol=1e-12)
+    np.testing.assert_allclose(stats.double().cpu().numpy(), _np_moment_stats(pairs), rtol=1e-5, atol=1e-12)
 
 
 def test_moment_reduction_eager_matches_numpy(monkeypatch):
@@ -321,7 +323,7 @@ def test_moment_reduction_eager_matches_numpy(monkeypatch):
     monkeypatch.setenv("HYBRID_KERNELS_BACKEND", "eager")
     stats = moment_statistics(pairs)
     assert hybrid_kernels.last_backend("encode_state") == "eager"
-    np.testing.assert_allclose(stats.double().numpy(), _np_moment_stats(pairs), rtol=1e-5, atol=1e-12)
+    np.testing.assert_allclose(stats.double().cpu().numpy(), _np_moment_stats(pairs), rtol=1e-5, atol=1e-12)
 
 
 def test_moment_sums_triton_equal_eager_sums():
@@ -331,21 +333,21 @@ def test_moment_sums_triton_equal_eager_sums():
     tri, ref = _moment_sums_triton_group(ms, vs), _moment_sums_eager(ms, vs)
     m = torch.cat(ms).double().abs()
     v = torch.cat(vs).double()
-    truth = torch.stack([torch.tensor(float(m.numel()), dtype=torch.float64), m.sum(), (m * m).sum(), v.sum(),
+    truth = torch.stack([torch.tensor(float(m.numel()), dtype=torch.float64, device=m.device), m.sum(), (m * m).sum(), v.sum(),
                          (v * v).sum()])
     torch.testing.assert_close(tri, truth, rtol=2e-6, atol=0)
     torch.testing.assert_close(ref, truth, rtol=2e-6, atol=0)
 
 
 def test_moments_from_views_and_shared_storage():
-    storage = torch.randn(4000)
-    sq = torch.rand(4000)
+    storage = torch.randn(4000, device=DEVICE)
+    sq = torch.rand(4000, device=DEVICE)
     pairs = [(storage[:1000], sq[:1000]), (storage[1000:3000].view(40, 50), sq[1000:3000].view(40, 50)),
              (storage[3001:].view(-1)[::3], sq[3001:][::3]),  # strided: reduced by the eager fallback
              (storage[3001:3003], sq[3001:3003])]  # odd offset: still whole elements from the base
     stats = moment_statistics(pairs)
     assert hybrid_kernels.last_backend("encode_state") == "triton"
-    np.testing.assert_allclose(stats.double().numpy(), _np_moment_stats(pairs), rtol=1e-5, atol=1e-12)
+    np.testing.assert_allclose(stats.double().cpu().numpy(), _np_moment_stats(pairs), rtol=1e-5, atol=1e-12)
 
 
 def test_moments_from_real_optimizers():
@@ -395,7 +397,7 @@ def test_state_dict_round_trip_resumes_bit_exactly(monkeypatch, tmp_path):
     original = _rich_history()
     path = tmp_path / "history.pt"
     torch.save(original.state_dict(), path)
-    resumed = StateHistory(100, 20, 64)
+    resumed = StateHistory(100, 20, 64, device=DEVICE)
     resumed.load_state_dict(torch.load(path))
     for h in (original, resumed):  # continue both the same way
         for v in (0.3, float("nan"), 0.25):

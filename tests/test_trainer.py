@@ -23,8 +23,8 @@ def eager_kernels(monkeypatch):
     monkeypatch.setenv("HYBRID_KERNELS_BACKEND", "eager")
 
 
-def make_trainer(seed=0, lr=0.05, opt="adamw", **overrides):
-    model = mlp(seed)
+def make_trainer(seed=0, lr=0.05, opt="adamw", device="cpu", **overrides):
+    model = mlp(seed).to(device)
     if opt == "adamw":
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     else:
@@ -265,12 +265,14 @@ def test_metrics_jsonl_and_summary(stream, tmp_path):
     assert stats["backward_passes"] + stats["backward_passes_saved"] >= 40 - stats["skipped_steps"]
 
 
-def test_triton_kernels_serve_the_trainer_under_the_interpreter(stream, monkeypatch):
+def test_triton_kernels_serve_the_trainer(stream, monkeypatch):
+    """Interpreted on CPU, compiled on a GPU: a whole run with predicted steps uses the kernels."""
     monkeypatch.delenv("HYBRID_KERNELS_BACKEND")
     hk.reset_backend_counts()
-    trainer = make_trainer(**ALWAYS)
-    for b in stream[:30]:
-        trainer.step(b)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    trainer = make_trainer(device=device, **ALWAYS)
+    for x, y in stream[:30]:
+        trainer.step((x.to(device), y.to(device)))
     used = {op for (op, backend) in hk.backend_counts() if backend == "triton"}
     assert {"apply_delta_", "gru_cell", "encode_state"} <= used
     assert trainer.stats.predicted_steps > 0
