@@ -24,6 +24,7 @@ def _python_loop(params, deltas, alpha):
 
 IMPLS = {
     "hybrid_kernels.apply_delta_": lambda p, d: hk.apply_delta_(p, d, 1e-3),
+    "hybrid_kernels.DeltaApplier (prepared)": None,  # built once per benchmark, below
     "torch._foreach_add_": lambda p, d: torch._foreach_add_(p, d, alpha=1e-3),
     "python loop of add_": lambda p, d: _python_loop(p, d, 1e-3),
 }
@@ -37,6 +38,9 @@ def test_apply_float_delta(benchmark, device, model, impl):
     benchmark.group = f"apply_delta fp32 {model} ({len(params)} tensors)"
     benchmark.extra_info.update(impl=impl, elements=n, bytes=3 * 4 * n, baseline=impl == "torch._foreach_add_")
     fn = IMPLS[impl]
+    if fn is None:
+        applier = hk.DeltaApplier(params, deltas)
+        fn = lambda p, d: applier(1e-3)  # noqa: E731
 
     def run():
         fn(params, deltas)
@@ -46,7 +50,8 @@ def test_apply_float_delta(benchmark, device, model, impl):
 
 
 @pytest.mark.parametrize("model", list(MODELS))
-@pytest.mark.parametrize("impl", ["hybrid_kernels.apply_delta_ (int8 row, fused)", "dequantize + add_ loop"])
+@pytest.mark.parametrize("impl", ["hybrid_kernels.apply_delta_ (int8 row, fused)",
+                                  "hybrid_kernels.DeltaApplier (int8 row, prepared)", "dequantize + add_ loop"])
 def test_apply_int8_delta(benchmark, device, model, impl):
     params, deltas = _lists(MODELS[model], device)
     quantized = [hk.quantize_int8(d, "row") for d in deltas]
@@ -57,7 +62,13 @@ def test_apply_int8_delta(benchmark, device, model, impl):
     benchmark.extra_info.update(impl=impl, elements=n, bytes=8 * n + n + 4 * n_scales,
                                 baseline=impl.startswith("dequantize"))
 
-    if impl.startswith("hybrid"):
+    if "DeltaApplier" in impl:
+        applier = hk.DeltaApplier(params, codes, scales=scales, granularity="row")
+
+        def run():
+            applier(1e-3)
+            sync()
+    elif impl.startswith("hybrid"):
         def run():
             hk.apply_delta_(params, codes, 1e-3, scales=scales, granularity="row")
             sync()

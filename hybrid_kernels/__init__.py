@@ -19,7 +19,7 @@ Every op follows one pattern, in one file per op (``apply_delta.py``, ``int8_qua
 """
 from ._dispatch import BACKEND_ENV, backend_counts, last_backend, reset_backend_counts
 from ._triton_compat import HAS_TRITON, INTERPRET
-from .apply_delta import apply_delta_
+from .apply_delta import DeltaApplier, apply_delta_
 from .attention_module import CausalSelfAttention
 from .encode_state import StateHistory, encode_state
 from .flash_attention import flash_attention
@@ -29,6 +29,7 @@ from .int8_quant import dequantize_int8, quantize_int8
 __all__ = [
     "BACKEND_ENV",
     "CausalSelfAttention",
+    "DeltaApplier",
     "HAS_TRITON",
     "INTERPRET",
     "StateHistory",

@@ -81,10 +81,11 @@ _cache: OrderedDict[tuple, MultiTensorLayout] = OrderedDict()
 def cached_layout(lists: Sequence[Sequence[torch.Tensor]], chunk: int, extra: Sequence[Sequence[int]] = (),
                   build: Callable[..., MultiTensorLayout] = MultiTensorLayout) -> MultiTensorLayout:
     """The layout for these tensors' addresses and sizes, built once (LRU of 16)."""
+    # map over the C-level methods: this key is built on every call, for every tensor.
     key = (lists[0][0].device, chunk,
-           tuple(tuple(t.data_ptr() for t in ts) for ts in lists),
+           tuple(tuple(map(torch.Tensor.data_ptr, ts)) for ts in lists),
            tuple(ts[0].element_size() for ts in lists),
-           tuple(t.numel() for t in lists[0]),
+           tuple(map(torch.Tensor.numel, lists[0])),
            tuple(tuple(e) for e in extra))
     layout = _cache.get(key)
     if layout is None:

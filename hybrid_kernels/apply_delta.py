@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from operator import attrgetter
 
 import torch
 
 from ._dispatch import choose_backend, record
-from ._multi_tensor import cached_layout
+from ._multi_tensor import MultiTensorLayout, cached_layout
 from ._triton_compat import INTERPRET, tl, triton
 from .int8_quant import FLOAT_DTYPES, _dequantize_eager, group_size_for, scale_shape_for
 
@@ -108,13 +109,16 @@ def _apply_delta_kernel(p_base, d_base, s_base, chunk_tensor_ptr, chunk_start_pt
 # --------------------------------------------------------------------------------------------
 # Launcher
 # --------------------------------------------------------------------------------------------
-def _launch_group(params, deltas, scales, alphas: torch.Tensor, group_sizes, want_norms: bool):
-    """One kernel launch for tensors sharing device and dtypes. Returns step norms or None."""
+def _launch_group(params, deltas, scales, alphas: torch.Tensor, group_sizes, want_norms: bool,
+                  layout: MultiTensorLayout | None = None):
+    """One kernel launch for tensors sharing device and dtypes. Returns step norms or None.
+    ``layout``: a layout already built for exactly these tensors (``DeltaApplier`` keeps one)."""
     device = params[0].device
     alphas = alphas.to(device, non_blocking=True)
     quantized = scales is not None
     lists = [params, deltas, scales if quantized else deltas]  # the scale pointer is unused when not quantized
-    layout = cached_layout(lists, _BLOCK * _ITERS, extra=[group_sizes])
+    if layout is None:
+        layout = cached_layout(lists, _BLOCK * _ITERS, extra=[group_sizes])
     base_p, base_d, base_s = layout.bases(lists)
     partial = torch.empty(layout.n_chunks if want_norms else 1, dtype=torch.float32, device=device)
     _apply_delta_kernel[(layout.n_chunks,)](
@@ -131,7 +135,25 @@ def _offset_ok(t: torch.Tensor, base: torch.Tensor) -> bool:
     return (t.data_ptr() - base.data_ptr()) % t.element_size() == 0
 
 
+_data_ptr, _is_contiguous, _numel = torch.Tensor.data_ptr, torch.Tensor.is_contiguous, torch.Tensor.numel
+_dtype, _device, _shape = attrgetter("dtype"), attrgetter("device"), attrgetter("shape")
+
+
+def _one_flat_group(params, deltas, scales) -> bool:
+    """True when every tensor can go to a single launch: one device and one dtype per list,
+    all contiguous and non-empty. The common case (a model's parameters and the trainer's
+    delta buffers); checked with C-level ``map`` calls because on a GPU this host-side work,
+    not the kernel, sets the cost of a call over ~100 tensors."""
+    lists = (params, deltas) if scales is None else (params, deltas, scales)
+    return (all(map(_numel, params)) and len(set(map(_device, params))) == 1
+            and all(len(set(map(_dtype, ts))) == 1 and all(map(_is_contiguous, ts)) for ts in lists))
+
+
 def _apply_triton(params, deltas, scales, alphas, group_sizes, want_norms: bool):
+    if _one_flat_group(params, deltas, scales):
+        # Same dtype per list: every address is a whole number of elements from any other, so
+        # the per-tensor offset checks of the general path below always pass.
+        return _launch_group(params, deltas, scales, alphas, group_sizes, want_norms)
     norms = torch.zeros(len(params), dtype=torch.float32, device=params[0].device) if want_norms else None
     groups: dict[tuple, list[int]] = {}
     for i, (p, d) in enumerate(zip(params, deltas)):
@@ -146,7 +168,8 @@ def _apply_triton(params, deltas, scales, alphas, group_sizes, want_norms: bool)
         flat = [i for i in idx if params[i].is_contiguous()]
         on_kernel = [i for i in flat if _offset_ok(params[i], params[flat[0]]) and _offset_ok(ds[i], ds[flat[0]])
                      and (ss is None or _offset_ok(ss[i], ss[flat[0]]))]
-        on_eager = [i for i in idx if i not in set(on_kernel)]
+        kernel_set = set(on_kernel)
+        on_eager = [i for i in idx if i not in kernel_set]
         for subset, run in ((on_kernel, _launch_group), (on_eager, _apply_eager)):
             if not subset:
                 continue
@@ -230,15 +253,15 @@ def _float_lists_look_valid(params, deltas) -> bool:
     """Aggregate checks of float delta lists: much cheaper than the per-index loop, which runs
     only when these fail (to name the offending index) or for int8 deltas."""
     try:
-        if not ({p.dtype for p in params} <= _FLOAT_SET and {d.dtype for d in deltas} <= _FLOAT_SET):
+        if not (set(map(_dtype, params)) <= _FLOAT_SET and set(map(_dtype, deltas)) <= _FLOAT_SET):
             return False
-        if [p.shape for p in params] != [d.shape for d in deltas]:
+        if list(map(_shape, params)) != list(map(_shape, deltas)):
             return False
-        if [p.device for p in params] != [d.device for d in deltas]:
+        if list(map(_device, params)) != list(map(_device, deltas)):
             return False
         # Distinct storage (empty or meta tensors may share address 0: the slow path sorts them out).
-        return len({p.data_ptr() for p in params}) == len(params)
-    except AttributeError:  # an element is not a tensor
+        return len(set(map(_data_ptr, params))) == len(params)
+    except (AttributeError, TypeError):  # an element is not a tensor
         return False
 
 
@@ -294,7 +317,11 @@ def _check_args(params, deltas, alpha, scales, granularity, block_size, out_norm
         group_sizes = [1] * n
     else:
         group_sizes = _check_each_tensor(params, deltas, scales, granularity, block_size)
+    return _alphas_for(alpha, n), _check_out_norms(out_norms, n), group_sizes
 
+
+def _alphas_for(alpha, n: int) -> torch.Tensor:
+    """``alpha`` as a float32 tensor ``[n]``, rejecting a wrong length or non-finite values."""
     if isinstance(alpha, torch.Tensor):
         if alpha.shape != (n,):
             raise ValueError(f"alpha tensor must have shape ({n},), one value per tensor, got {tuple(alpha.shape)}")
@@ -302,23 +329,26 @@ def _check_args(params, deltas, alpha, scales, granularity, block_size, out_norm
     elif isinstance(alpha, (int, float)) and not isinstance(alpha, bool):
         if not math.isfinite(alpha):
             raise ValueError(f"alpha[0] is {alpha}: a non-finite step would corrupt params[0]")
-        alphas = torch.full((n,), float(alpha), dtype=torch.float32)
+        return torch.full((n,), float(alpha), dtype=torch.float32)
     elif isinstance(alpha, Sequence):
         if len(alpha) != n:
             raise ValueError(f"alpha has {len(alpha)} values but params has {n}")
         alphas = torch.tensor([float(a) for a in alpha], dtype=torch.float32)
     else:
         raise TypeError(f"alpha must be a float, a sequence of floats or a tensor, got {type(alpha).__name__}")
-    if n and not isinstance(alpha, (int, float)) and not bool(torch.isfinite(alphas).all()):
+    if n and not bool(torch.isfinite(alphas).all()):
         bad = int((~torch.isfinite(alphas)).nonzero()[0])
         raise ValueError(f"alpha[{bad}] is {float(alphas[bad])}: a non-finite step would corrupt params[{bad}]")
+    return alphas
 
+
+def _check_out_norms(out_norms, n: int):
     if out_norms is not None:
         if not isinstance(out_norms, torch.Tensor) or out_norms.dtype != torch.float32:
             raise TypeError(f"out_norms must be a float32 tensor, got {_describe(out_norms)}")
         if out_norms.shape != (n,):
             raise ValueError(f"out_norms must have shape ({n},), got {tuple(out_norms.shape)}")
-    return alphas, group_sizes
+    return out_norms
 
 
 def apply_delta_(params: Sequence[torch.Tensor], deltas: Sequence[torch.Tensor],
@@ -344,7 +374,7 @@ def apply_delta_(params: Sequence[torch.Tensor], deltas: Sequence[torch.Tensor],
         ValueError / TypeError naming the argument and index for mismatched lengths, shapes,
         devices or dtypes, non-finite alpha, or two params sharing storage.
     """
-    alphas, group_sizes = _check_args(params, deltas, alpha, scales, granularity, block_size, out_norms)
+    alphas, _, group_sizes = _check_args(params, deltas, alpha, scales, granularity, block_size, out_norms)
     params, deltas = list(params), list(deltas)
     scales = None if scales is None else list(scales)
     if torch.compiler.is_compiling():
@@ -353,4 +383,53 @@ def apply_delta_(params: Sequence[torch.Tensor], deltas: Sequence[torch.Tensor],
         _apply_impl(params, deltas, alphas, scales, group_sizes, out_norms)
 
 
-__all__ = ["apply_delta_", "kernel_launches"]
+class DeltaApplier:
+    """``apply_delta_`` for a fixed set of tensors, checked and planned once.
+
+    A call of ``apply_delta_`` inspects every tensor (dtype, shape, device, address) before its
+    single launch; over ~100 tensors that host work costs more than the kernel on a GPU. A
+    trainer applies steps to the same parameters from the same delta buffers every time, so
+    this object does the checks and builds the kernel's tables in ``__init__``, and each call
+    is one launch.
+
+    The tensors must keep their storage while the applier is used: rebinding ``p.data`` or
+    resizing a tensor in place needs a new ``DeltaApplier``. Values may change freely.
+
+    Args: as :func:`apply_delta_` (``params``, ``deltas``, ``scales``, ``granularity``,
+    ``block_size``); ``alpha`` and ``out_norms`` are given per call.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], deltas: Sequence[torch.Tensor], *,
+                 scales: Sequence[torch.Tensor] | None = None, granularity: str = "tensor", block_size: int = 256):
+        _, _, self._group_sizes = _check_args(params, deltas, 1.0, scales, granularity, block_size, None)
+        self.params, self.deltas = list(params), list(deltas)
+        self.scales = None if scales is None else list(scales)
+        self._one_group = bool(self.params) and _one_flat_group(self.params, self.deltas, self.scales)
+        self._layout: MultiTensorLayout | None = None
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def __call__(self, alpha: float | Sequence[float] | torch.Tensor = 1.0, *,
+                 out_norms: torch.Tensor | None = None) -> None:
+        """``params[i] += alpha[i] * deltas[i]`` in place (see :func:`apply_delta_`)."""
+        n = len(self.params)
+        alphas, out_norms = _alphas_for(alpha, n), _check_out_norms(out_norms, n)
+        if not n:
+            return
+        backend = choose_backend("apply_delta_", self.params[0].device)
+        if backend != "triton" or not self._one_group or torch.compiler.is_compiling():
+            _apply_impl(self.params, self.deltas, alphas, self.scales, self._group_sizes, out_norms)
+            return
+        record("apply_delta_", backend)
+        if self._layout is None:
+            lists = [self.params, self.deltas, self.scales if self.scales is not None else self.deltas]
+            self._layout = MultiTensorLayout(lists, _BLOCK * _ITERS, extra=[self._group_sizes])
+        with torch.no_grad():
+            norms = _launch_group(self.params, self.deltas, self.scales, alphas, self._group_sizes,
+                                  out_norms is not None, layout=self._layout)
+            if out_norms is not None:
+                out_norms.copy_(norms)
+
+
+__all__ = ["DeltaApplier", "apply_delta_", "kernel_launches"]

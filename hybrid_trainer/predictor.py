@@ -70,6 +70,9 @@ class DeltaPredictor:
         self.n_updates = 0
         self.n_scale_fits = 0
         self._recording = False
+        # Checked and planned once per direction buffer: a plain apply_delta_ call re-inspects
+        # every parameter, which on a GPU costs more than the kernel (bench/test_bench_apply_delta.py).
+        self._appliers: dict[int, hk.DeltaApplier] = {}
 
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [v.view(p.shape) for v, p in zip(flat.split(self.sizes), self.params)]
@@ -179,8 +182,12 @@ class DeltaPredictor:
         direction = self.current_direction(refresh=False)
         if direction is None:
             raise RuntimeError("no update recorded yet: nothing to predict from")
+        flat, views = direction
+        applier = self._appliers.get(flat.data_ptr())
+        if applier is None:
+            applier = self._appliers[flat.data_ptr()] = hk.DeltaApplier(self.params, views)
         norms = torch.empty(len(self.params), dtype=torch.float32, device=self.scales.device)
-        hk.apply_delta_(self.params, direction[1], self.scales * multiplier, out_norms=norms)
+        applier(self.scales * multiplier, out_norms=norms)
         return norms
 
     # -- checkpoint ------------------------------------------------------------------------

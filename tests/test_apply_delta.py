@@ -155,3 +155,66 @@ def test_chunks_with_several_inner_steps(device, monkeypatch):
     for p, e in zip(params, expected):
         assert torch.equal(p, e)
     torch.testing.assert_close(norms, torch.stack([(2.0 * d).norm() for d in deltas]), rtol=1e-5, atol=0)
+
+
+# --------------------------------------------------------------------------------------------
+# DeltaApplier: the same update, checked and planned once
+# --------------------------------------------------------------------------------------------
+def test_applier_matches_apply_delta_bit_for_bit_and_launches_once(device):
+    params = _params(device)
+    twin = [p.clone() for p in params]
+    deltas = [torch.randn_like(p) for p in params]
+    applier = hk.DeltaApplier(params, deltas)
+    alphas = torch.linspace(-1.0, 1.0, len(params), device=device)
+    norms, twin_norms = torch.zeros(len(params), device=device), torch.zeros(len(params), device=device)
+    for step in range(3):  # the deltas change between calls; the applier reads their current values
+        for d in deltas:
+            d.mul_(0.5)
+        before = kernel_launches()
+        applier(alphas, out_norms=norms)
+        assert kernel_launches() - before == 1
+        hk.apply_delta_(twin, deltas, alphas, out_norms=twin_norms)
+        for p, t in zip(params, twin):
+            assert torch.equal(p, t), step
+        assert torch.equal(norms, twin_norms)
+
+
+def test_applier_int8_and_mixed_dtypes_fall_back_to_the_general_path(device):
+    shapes = [(3, 5), (64, 129)]
+    params = [torch.randn(s, device=device) for s in shapes]
+    codes, scales = zip(*(hk.quantize_int8(torch.randn(s, device=device), "row") for s in shapes))
+    expected = [p.clone() for p in params]
+    hk.apply_delta_(expected, list(codes), 0.5, scales=list(scales), granularity="row")
+    hk.DeltaApplier(params, codes, scales=scales, granularity="row")(0.5)
+    for p, e in zip(params, expected):
+        assert torch.equal(p, e)
+    mixed = [torch.randn(10, device=device), torch.randn(7, device=device).half()]
+    deltas = [torch.ones(10, device=device), torch.ones(7, device=device)]
+    expected = [m.float() + 2.0 for m in mixed]
+    hk.DeltaApplier(mixed, deltas)(2.0)  # two dtype groups: not one launch, still right
+    for m, e in zip(mixed, expected):
+        torch.testing.assert_close(m.float(), e, rtol=1e-3, atol=1e-3)
+
+
+def test_applier_eager_backend_and_empty(device, monkeypatch):
+    params, deltas = _params(device, sizes=[5, 9]), [torch.ones(5, device=device), torch.ones(9, device=device)]
+    expected = [p + 1.0 for p in params]
+    monkeypatch.setenv("HYBRID_KERNELS_BACKEND", "eager")
+    hk.DeltaApplier(params, deltas)(1.0)
+    assert hk.last_backend("apply_delta_") == "eager"
+    assert all(torch.equal(p, e) for p, e in zip(params, expected))
+    empty = hk.DeltaApplier([], [])
+    empty(1.0)
+    assert len(empty) == 0
+
+
+def test_applier_checks_at_construction_and_per_call():
+    params, deltas = [torch.zeros(3), torch.zeros(5)], [torch.ones(3), torch.ones(5)]
+    with pytest.raises(ValueError, match=r"deltas\[1\] has shape \(4,\)"):
+        hk.DeltaApplier(params, [deltas[0], deltas[1][:-1]])
+    applier = hk.DeltaApplier(params, deltas)
+    with pytest.raises(ValueError, match=r"alpha\[1\] is inf"):
+        applier(torch.tensor([1.0, float("inf")]))
+    with pytest.raises(ValueError, match=r"out_norms must have shape \(2,\)"):
+        applier(1.0, out_norms=torch.zeros(3))
+    assert torch.equal(params[0], torch.zeros(3))  # nothing applied before the errors
