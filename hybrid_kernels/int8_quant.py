@@ -36,6 +36,9 @@ _ABSMAX_TILE = 8192 if INTERPRET else 4096  # elements one program reduces per l
 # A single group larger than this (e.g. "tensor" granularity on a big input) is reduced as
 # partial maxima over chunks of this many elements, then one max (one program would use one SM).
 _TENSOR_PARTIAL_GROUP = 65536
+# Groups up to this many elements are quantized in one pass (absmax, scale and codes from one
+# read of x, one launch); longer groups take the two-pass path (absmax kernel, then codes).
+_FUSED_MAX_GROUP = 8192
 
 
 # --------------------------------------------------------------------------------------------
@@ -66,6 +69,30 @@ def _group_absmax_kernel(x_ptr, absmax_ptr, numel, group_size, n_groups,
 
 
 @triton.jit
+def _quantize_groups_kernel(x_ptr, scale_ptr, q_ptr, numel, group_size, n_groups,
+                            GROUPS: tl.constexpr, BLOCK: tl.constexpr):
+    """Scales and codes of GROUPS whole groups per program (group_size <= BLOCK), x read once.
+    Same arithmetic as the two-pass path: NaN-propagating absmax, IEEE division by 127."""
+    pid = tl.program_id(0)
+    groups = pid * GROUPS + tl.arange(0, GROUPS)
+    group_ok = groups < n_groups
+    cols = tl.arange(0, BLOCK)
+    idx = groups.to(tl.int64)[:, None] * group_size + cols[None, :]
+    mask = group_ok[:, None] & (cols[None, :] < group_size) & (idx < numel)
+    x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    a = tl.abs(x)
+    has_nan = tl.max((a != a).to(tl.int32), axis=1) > 0
+    absmax = tl.where(has_nan, float("nan"), tl.max(a, axis=1))
+    scale = tl.div_rn(absmax, tl.full([GROUPS], 127.0, tl.float32))
+    tl.store(scale_ptr + groups, scale, mask=group_ok)
+    divisor = tl.where(scale > 0.0, scale, 1.0)
+    q = rint(tl.div_rn(x, divisor[:, None]))
+    q = tl.where(q != q, 0.0, q)  # NaN input → code 0 (its scale is already non-finite)
+    q = tl.clamp(q, -127.0, 127.0)
+    tl.store(q_ptr + idx, q.to(tl.int8), mask=mask)
+
+
+@triton.jit
 def _quantize_kernel(x_ptr, scale_ptr, q_ptr, numel, group_size, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     idx = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -92,6 +119,13 @@ def _dequantize_kernel(q_ptr, scale_ptr, out_ptr, numel, group_size, BLOCK: tl.c
 # --------------------------------------------------------------------------------------------
 # Launchers (flat, contiguous tensors; group_size >= 1)
 # --------------------------------------------------------------------------------------------
+def _scales_from_absmax(absmax: torch.Tensor) -> torch.Tensor:
+    """``absmax / 127`` with IEEE division, as the kernels compute it. Dividing a CUDA tensor by a
+    Python scalar multiplies by its reciprocal instead, which is one ulp off for some inputs
+    (seen on an H100); a tensor divisor makes torch divide."""
+    return absmax / torch.full_like(absmax, QMAX)
+
+
 def _launch_group_absmax(x: torch.Tensor, group_size: int) -> torch.Tensor:
     numel = x.numel()
     n_groups = -(-numel // group_size)
@@ -104,14 +138,30 @@ def _launch_group_absmax(x: torch.Tensor, group_size: int) -> torch.Tensor:
     return out
 
 
+def _quantize_groups_triton(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    numel = x.numel()
+    n_groups = -(-numel // group_size)
+    q = torch.empty(x.shape, dtype=torch.int8, device=x.device)
+    scales = torch.empty(n_groups, dtype=torch.float32, device=x.device)
+    block = triton.next_power_of_2(group_size)
+    groups_per_program = max(1, min(_ABSMAX_TILE // block, triton.next_power_of_2(n_groups)))
+    grid = (triton.cdiv(n_groups, groups_per_program),)
+    _quantize_groups_kernel[grid](x, scales, q, numel, group_size, n_groups,
+                                  GROUPS=groups_per_program, BLOCK=block,
+                                  num_warps=8 if groups_per_program * block >= 4096 else 4)
+    return q, scales
+
+
 def _quantize_triton(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     numel = x.numel()
+    if min(group_size, numel) <= _FUSED_MAX_GROUP:
+        return _quantize_groups_triton(x, min(group_size, numel))
     if group_size >= numel > _TENSOR_PARTIAL_GROUP:
         # One big group: maxima of 64K-element chunks in parallel, then the max of those.
         absmax = _launch_group_absmax(x, _TENSOR_PARTIAL_GROUP).amax().reshape(1)
     else:
         absmax = _launch_group_absmax(x, group_size)
-    scales = absmax / QMAX
+    scales = _scales_from_absmax(absmax)
     q = torch.empty(x.shape, dtype=torch.int8, device=x.device)
     grid = (triton.cdiv(numel, _ELEMENTWISE_BLOCK),)
     _quantize_kernel[grid](x, scales, q, numel, group_size, BLOCK=_ELEMENTWISE_BLOCK)
@@ -142,7 +192,7 @@ def _quantize_eager(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, tor
     numel = x.numel()
     groups = _padded_groups(x.reshape(-1).float(), group_size)
     # max(amax, -amin) avoids materialising |x|; both propagate NaN like the kernel does.
-    scales = torch.maximum(groups.amax(dim=1), groups.amin(dim=1).neg()) / QMAX
+    scales = _scales_from_absmax(torch.maximum(groups.amax(dim=1), groups.amin(dim=1).neg()))
     divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
     q = (groups / divisor[:, None]).round_()
     if not bool(torch.isfinite(scales).all()):

@@ -94,6 +94,21 @@ def test_non_finite_group_keeps_a_non_finite_scale(backend, device, monkeypatch)
     assert not torch.isfinite(x_hat[1]).all() and not torch.isfinite(x_hat[2]).all()
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("fused_max_group", [8192, 4])  # one-pass kernel, and the two-pass path
+@pytest.mark.parametrize("granularity", ["row", "block"])
+def test_both_kernel_paths_equal_eager_on_non_finite_groups(fused_max_group, granularity, device, monkeypatch):
+    import hybrid_kernels.int8_quant as mod
+    monkeypatch.setattr(mod, "_FUSED_MAX_GROUP", fused_max_group)
+    x = torch.randn(5, 40, device=device) * 3
+    x[1, 2], x[2, 0], x[3, 39] = float("nan"), float("inf"), float("-inf")
+    q_ref, s_ref = _eager(x, granularity, 16, monkeypatch)
+    q, s = hk.quantize_int8(x, granularity, block_size=16)
+    assert hk.last_backend("quantize_int8") == "triton"
+    assert torch.equal(q, q_ref)
+    assert torch.equal(s.isnan(), s_ref.isnan()) and torch.equal(s.nan_to_num(), s_ref.nan_to_num())
+
+
 def test_big_single_group_uses_partial_maxima(device):
     x = torch.randn(70001, device=device)
     x[69999] = 40.0  # the max sits in the last partial chunk
