@@ -128,12 +128,12 @@ def test_long_sequence_causal_gqa():
     _assert_within_2x_pytorch_error(q, k, v, causal=True)
 
 
-@pytest.mark.parametrize("block_m, block_n", [(32, 64), (64, 32)])
+@pytest.mark.parametrize("block_m, block_n", [(32, 64), (64, 32), (64, 128), (128, 64)])  # last two: GPU-tuned
 def test_unequal_query_and_key_blocks(monkeypatch, block_m, block_n):
     """The diagonal / ragged-block bookkeeping must not assume BLOCK_M == BLOCK_N."""
     base_config = fa._kernel_config
-    monkeypatch.setattr(fa, "_kernel_config",
-                        lambda head_dim, dtype: {**base_config(head_dim, dtype), "BLOCK_M": block_m, "BLOCK_N": block_n})
+    monkeypatch.setattr(fa, "_kernel_config", lambda head_dim, dtype, backward=False: {
+        **base_config(head_dim, dtype, backward), "BLOCK_M": block_m, "BLOCK_N": block_n})
     q, k, v = _inputs(1, 2, 1, 100, 129, 16, F32)
     _assert_within_2x_pytorch_error(q, k, v, causal=True)
     q, k, v = _inputs(1, 2, 1, 129, 70, 16, F32)
@@ -172,7 +172,7 @@ def test_saved_softmax_statistics():
         expected = fa._softmax_stats_eager(q, k, True, scale)
         q64, k64 = q.double(), k.double().repeat_interleave(2, dim=1)
         scores = (q64 @ k64.transpose(-2, -1)) * scale
-        scores = scores.masked_fill(~torch.ones(100, 129, dtype=torch.bool).tril(), float("-inf"))
+        scores = scores.masked_fill(~torch.ones(100, 129, dtype=torch.bool, device=q.device).tril(), float("-inf"))
         log_sum_exp = torch.logsumexp(scores, dim=-1)
     assert stats.shape == (2, 1, 4, 100) and stats.dtype == torch.float32
     assert residual.numel() == 0  # fp32 output: nothing to correct
@@ -191,7 +191,7 @@ def test_output_residual_is_the_rounding_error_of_the_output():
         exact = _attention_float64(q.double(), k.double(), v.double(), False, 0.25)
     assert residual.shape == out.shape and residual.dtype == torch.float16 and no_residual.numel() == 0
     assert torch.equal(out, inference_out)
-    half_ulp = (torch.nextafter(out.abs(), torch.tensor(float("inf"), dtype=F16)) - out.abs()).double() / 2
+    half_ulp = (torch.nextafter(out.abs(), torch.tensor(float("inf"), dtype=F16, device=out.device)) - out.abs()).double() / 2
     assert (residual.double().abs() <= half_ulp * (1 + 1e-3)).all()
     assert (residual != 0).float().mean() > 0.5
     rounded_error = (out.double() - exact).abs().mean().item()
