@@ -1,6 +1,6 @@
 """End-to-end benchmark: HybridTrainer vs a tuned plain AdamW loop on real data.
 
-    python -m bench.e2e [--quick] [--tasks charlm fashion digits] [--seeds 3] [--out docs/results]
+    python -m bench.e2e [--quick] [--tasks charlm fashion digits] [--seeds 3] [--device cpu|cuda] [--out docs/results]
 
 Protocol (shared/design.md §5):
 * Every arm of a task starts from the same initialisation and sees the same batches in the same
@@ -20,8 +20,11 @@ Protocol (shared/design.md §5):
   per arm: training wall-clock and forward/backward passes to reach it, validation loss at equal
   wall-clock (the tuned baseline's total training time), its gap in %, backward passes saved,
   verifications accepted/rejected; mean ± std over seeds. Evaluation time is not training time.
+* ``--device cuda``: models, data and validation on the GPU (same initialisations and batches as
+  on CPU: both are drawn on CPU, then moved); the clock is read after ``torch.cuda.synchronize()``.
 * Output: ``<out>/e2e_<task>.json``, ``<out>/e2e.md`` (all tasks) and ``<out>/e2e_<task>.png``
-  (validation loss vs wall-clock; phases of the first hybrid run shaded).
+  (validation loss vs wall-clock; phases of the first hybrid run shaded); ``_quick`` then
+  ``_cuda`` added to each name with ``--quick`` and ``--device cuda``.
 """
 from __future__ import annotations
 
@@ -95,7 +98,7 @@ class ArmRun:
     def run_chunk(self, n: int, record_phases: bool) -> None:
         n = min(n, self.budget - self.steps)
         batches = [next(self.stream) for _ in range(n)]  # data loading is not training time
-        start = time.perf_counter()
+        start = train_clock(self.task.device)
         if self.trainer is None:
             for batch in batches:
                 self.plain_step(batch)
@@ -103,12 +106,12 @@ class ArmRun:
             self.forward += n
         else:
             for batch in batches:
-                if record_phases:
+                if record_phases:  # host clock, no sync: each trainer step reads its loss, so it is close
                     self.phases.append((self.train_time + time.perf_counter() - start, self.trainer.controller.phase.value))
                 self.trainer.step(batch)
             s = self.trainer.stats
             self.backward, self.forward = s.backward_passes, s.forward_passes
-        self.train_time += time.perf_counter() - start
+        self.train_time += train_clock(self.task.device) - start
         self.steps += n
         self._eval()
 
@@ -146,6 +149,14 @@ class ArmRun:
         s["cost_seconds"] = None if self.trainer.cost is None else dict(self.trainer.cost.seconds)
         keep = keep + ("cost_seconds",)
         return {k: s[k] for k in keep}
+
+
+def train_clock(device: torch.device) -> float:
+    """``time.perf_counter()`` (s) once all work queued on ``device`` has run: CUDA kernels run
+    asynchronously, so an unsynchronised clock would miss them (or charge them to evaluation)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 # ------------------------------------------------------------------------------ analysis ----
@@ -274,8 +285,21 @@ def preset_config(name: str) -> HybridConfig:
     raise ValueError(f"--presets: each must be one of {PRESETS}, got {name!r}")
 
 
-def benchmark_task(name: str, quick: bool, n_seeds: int, presets: list[str]) -> dict:
-    task = get_task(name, quick)
+WARM_UP_STEPS = 150  # past the trainer's first phase decisions (step 80), so every kernel it uses has run
+
+
+def warm_up(task: Task, arms: list[ArmSpec], steps: int) -> None:
+    """Untimed short runs of every arm on a throwaway seed. On a GPU the first call of each
+    Triton kernel in a process compiles it (seconds), which would otherwise be charged to
+    whichever timed run came first (seen: one seed of fashion's HybridTrainer 3x slower)."""
+    for arm in arms:
+        run = ArmRun(arm, task, 10_000, steps)
+        while not run.done:
+            run.run_chunk(task.eval_every, record_phases=False)
+
+
+def benchmark_task(name: str, quick: bool, n_seeds: int, presets: list[str], device: str = "cpu") -> dict:
+    task = get_task(name, quick, device=device)
     print(f"\n== {name}: {task.data_source}", flush=True)
     tuned_lr, sweep = sweep_lr(task, seed=1000)
     arms = [ArmSpec("AdamW (tuned lr)", tuned_lr), ArmSpec("AdamW (2x lr)", 2 * tuned_lr)]
@@ -290,6 +314,8 @@ def benchmark_task(name: str, quick: bool, n_seeds: int, presets: list[str]) -> 
         lr = average_lr if preset == "weight-average" else tuned_lr
         arms.append(ArmSpec(f"HybridTrainer ({preset})", lr, preset_config(preset)))
     seeds = list(range(n_seeds))
+    if task.device.type == "cuda":
+        warm_up(task, arms, steps=min(task.steps, WARM_UP_STEPS))
     started = time.perf_counter()
     runs = run_arms(task, arms, seeds, desc=f"{name}: {len(arms)} arms x {n_seeds} seeds")
     result = analyse(task, arms, runs, baseline="AdamW (tuned lr)")
@@ -408,8 +434,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--presets", nargs="+", default=None, help=f"hybrid configs, of {' '.join(PRESETS)}")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where models, data and validation live (cuda: results named *_cuda)")
     parser.add_argument("--out", type=Path, default=Path("docs/results"))
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error(f"argument --device: cuda asked for, but torch {torch.__version__} sees no CUDA GPU "
+                     "(torch.cuda.is_available() is False)")
 
     torch.set_num_threads(args.threads)
     tasks = args.tasks or (["digits", "charlm"] if args.quick else ["charlm", "fashion", "digits"])
@@ -419,15 +450,16 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     command = "python -m bench.e2e" + (" --quick" if args.quick else "") + (
         f" --tasks {' '.join(args.tasks)}" if args.tasks else "") + (f" --seeds {args.seeds}" if args.seeds != 3 else "") + (
-        f" --presets {' '.join(args.presets)}" if args.presets else "")
+        f" --presets {' '.join(args.presets)}" if args.presets else "") + (
+        f" --device {args.device}" if args.device != "cpu" else "")
     meta = dict(command=command, date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                 device=f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores"
-                if not torch.cuda.is_available() else torch.cuda.get_device_name(0),
+                if args.device == "cpu" else torch.cuda.get_device_name(0),
                 torch=torch.__version__, threads=torch.get_num_threads(), python=platform.python_version())
     results = []
-    suffix = "_quick" if args.quick else ""
+    suffix = ("_quick" if args.quick else "") + ("_cuda" if args.device == "cuda" else "")
     for name in tasks:
-        result = benchmark_task(name, args.quick, args.seeds, presets)
+        result = benchmark_task(name, args.quick, args.seeds, presets, args.device)
         result["meta"] = meta
         results.append(result)
         (args.out / f"e2e_{name}{suffix}.json").write_text(json.dumps(result, indent=1))

@@ -9,7 +9,8 @@
 * ``digits``: an MLP on scikit-learn's digits; a smoke task that runs in seconds.
 
 Every task gives the same model initialisation and the same batch stream for a given seed, so
-every arm of the benchmark sees identical data in identical order.
+every arm of the benchmark sees identical data in identical order, on every ``device``: weights
+are initialised and batch indices drawn on CPU, then moved; the data sets live on the device.
 """
 from __future__ import annotations
 
@@ -31,7 +32,11 @@ FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
 
 @dataclass
 class Task:
-    """One benchmark task. ``batches(seed)`` yields an endless, seed-determined batch stream."""
+    """One benchmark task. ``batches(seed)`` yields an endless, seed-determined batch stream.
+
+    All of it works on ``device``: ``make_model`` returns a model there (initialised on CPU, so
+    the same on every device), ``batches`` yields tensors there and ``val_loss`` evaluates there.
+    """
 
     name: str
     make_model: Callable[[int], nn.Module]
@@ -43,6 +48,7 @@ class Task:
     lr_grid: list[float]
     data_source: str
     details: dict[str, Any] = field(default_factory=dict)
+    device: torch.device = torch.device("cpu")
 
 
 # -------------------------------------------------------------------------------- charlm ----
@@ -119,7 +125,9 @@ def load_python_source(limit_chars: int = 3_000_000) -> tuple[str, str]:
     return "\n".join(parts), f"Python {sysconfig.get_python_version()} standard library source ({len(parts)} files)"
 
 
-def charlm_task(quick: bool = False, text_source: str = "kjv", batch_size: int | None = None) -> Task:
+def charlm_task(quick: bool = False, text_source: str = "kjv", batch_size: int | None = None,
+                device: str | torch.device = "cpu") -> Task:
+    device = torch.device(device)
     text, source = load_kjv_text() if text_source == "kjv" else load_python_source()
     vocab = sorted(set(text))
     codes = torch.tensor(np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32).astype(np.int64))
@@ -139,16 +147,17 @@ def charlm_task(quick: bool = False, text_source: str = "kjv", batch_size: int |
     val_starts = torch.randint(0, len(val) - context - 1, (n_val,), generator=val_gen)
     val_x = torch.stack([val[s:s + context] for s in val_starts])
     val_y = torch.stack([val[s + 1:s + context + 1] for s in val_starts])
+    train, val_x, val_y = train.to(device), val_x.to(device), val_y.to(device)  # resident: no copy per step
 
     def make_model(seed: int) -> nn.Module:
         torch.manual_seed(seed)
-        return CharGPT(len(vocab), **shape)
+        return CharGPT(len(vocab), **shape).to(device)
 
     def batches(seed: int):
         gen = torch.Generator().manual_seed(10_000 + seed)
-        offsets = torch.arange(context)
-        while True:
-            starts = torch.randint(0, len(train) - context - 1, (batch_size,), generator=gen)
+        offsets = torch.arange(context, device=device)
+        while True:  # starts drawn on CPU (one stream for every device); only they cross to the device
+            starts = torch.randint(0, len(train) - context - 1, (batch_size,), generator=gen).to(device)
             idx = starts[:, None] + offsets[None, :]
             yield train[idx], train[idx + 1]
 
@@ -160,7 +169,7 @@ def charlm_task(quick: bool = False, text_source: str = "kjv", batch_size: int |
     return Task(name, make_model, next_char_loss, batches, val_loss, steps, eval_every,
                 lr_grid=[1e-3, 2e-3, 4e-3] if not quick else [3e-3, 6e-3], data_source=source,
                 details=dict(shape, vocab=len(vocab), batch_size=batch_size, train_chars=len(train),
-                             val_chars=len(val), val_sequences=n_val))
+                             val_chars=len(val), val_sequences=n_val), device=device)
 
 
 # ------------------------------------------------------------------------ classification ----
@@ -191,7 +200,9 @@ def load_fashion() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, str]
 
 
 def _classifier_task(name: str, x_tr, y_tr, x_val, y_val, source: str, hidden: list[int], batch_size: int,
-                     steps: int, eval_every: int, lr_grid: list[float], scale: float) -> Task:
+                     steps: int, eval_every: int, lr_grid: list[float], scale: float,
+                     device: str | torch.device = "cpu") -> Task:
+    device = torch.device(device)
     if batch_size > len(x_tr):
         raise ValueError(f"batch_size={batch_size} exceeds the {len(x_tr)} training samples of task {name!r}")
     x_tr = torch.tensor(x_tr, dtype=torch.float32) / scale
@@ -199,6 +210,7 @@ def _classifier_task(name: str, x_tr, y_tr, x_val, y_val, source: str, hidden: l
     x_val = torch.tensor(x_val, dtype=torch.float32) / scale
     y_val = torch.tensor(y_val, dtype=torch.long)
     n_in, n_out = x_tr.shape[1], int(y_tr.max()) + 1
+    x_tr, y_tr, x_val, y_val = (t.to(device) for t in (x_tr, y_tr, x_val, y_val))  # resident: no copy per step
 
     def make_model(seed: int) -> nn.Module:
         torch.manual_seed(seed)
@@ -206,7 +218,7 @@ def _classifier_task(name: str, x_tr, y_tr, x_val, y_val, source: str, hidden: l
         for h in hidden:
             layers += [nn.Linear(width, h), nn.ReLU()]
             width = h
-        return nn.Sequential(*layers, nn.Linear(width, n_out))
+        return nn.Sequential(*layers, nn.Linear(width, n_out)).to(device)
 
     def loss_fn(model, batch):
         x, y = batch
@@ -214,8 +226,8 @@ def _classifier_task(name: str, x_tr, y_tr, x_val, y_val, source: str, hidden: l
 
     def batches(seed: int):
         gen = torch.Generator().manual_seed(10_000 + seed)
-        while True:  # epochs of shuffled minibatches
-            order = torch.randperm(len(x_tr), generator=gen)
+        while True:  # epochs of shuffled minibatches; the order drawn on CPU, one copy per epoch
+            order = torch.randperm(len(x_tr), generator=gen).to(device)
             for start in range(0, len(order) - batch_size + 1, batch_size):
                 idx = order[start:start + batch_size]
                 yield x_tr[idx], y_tr[idx]
@@ -225,19 +237,20 @@ def _classifier_task(name: str, x_tr, y_tr, x_val, y_val, source: str, hidden: l
         return float(loss_fn(model, (x_val, y_val)))
 
     return Task(name, make_model, loss_fn, batches, val_loss, steps, eval_every, lr_grid, source,
-                details=dict(hidden=hidden, batch_size=batch_size, train_size=len(x_tr), val_size=len(x_val)))
+                details=dict(hidden=hidden, batch_size=batch_size, train_size=len(x_tr), val_size=len(x_val)),
+                device=device)
 
 
-def fashion_task(quick: bool = False, batch_size: int | None = None) -> Task:
+def fashion_task(quick: bool = False, batch_size: int | None = None, device: str | torch.device = "cpu") -> Task:
     x_tr, y_tr, x_te, y_te, source = load_fashion()
     n_val = 2000
     return _classifier_task("fashion", x_tr, y_tr, x_te[:n_val], y_te[:n_val], source, hidden=[512, 256],
                             batch_size=batch_size or 128, steps=200 if quick else 800, eval_every=25 if quick else 50,
-                            lr_grid=[3e-4, 1e-3, 3e-3], scale=255.0)
+                            lr_grid=[3e-4, 1e-3, 3e-3], scale=255.0, device=device)
 
 
 def digits_task(quick: bool = False, batch_size: int | None = None, name: str = "digits",
-                lr_grid: tuple[float, ...] = (1e-3, 3e-3, 1e-2)) -> Task:
+                lr_grid: tuple[float, ...] = (1e-3, 3e-3, 1e-2), device: str | torch.device = "cpu") -> Task:
     from sklearn.datasets import load_digits
 
     x, y = load_digits(return_X_y=True)
@@ -247,31 +260,34 @@ def digits_task(quick: bool = False, batch_size: int | None = None, name: str = 
     return _classifier_task(name, x[n_val:], y[n_val:], x[:n_val], y[:n_val],
                             "scikit-learn digits (1797 8x8 images): 1437 train / 360 validation",
                             hidden=[128], batch_size=batch_size or 64, steps=150 if quick else 300, eval_every=25,
-                            lr_grid=list(lr_grid), scale=16.0)
+                            lr_grid=list(lr_grid), scale=16.0, device=device)
 
 
-def digits_full_task(quick: bool = False, batch_size: int | None = None) -> Task:
+def digits_full_task(quick: bool = False, batch_size: int | None = None, device: str | torch.device = "cpu") -> Task:
     """Digits trained full-batch (every step sees all 1437 training images): no gradient noise.
     A probe of the regime where predicted steps can be worth a real one, not a benchmark target."""
-    return digits_task(quick, batch_size=batch_size or 1437, name="digits-full", lr_grid=(3e-3, 1e-2, 3e-2))
+    return digits_task(quick, batch_size=batch_size or 1437, name="digits-full", lr_grid=(3e-3, 1e-2, 3e-2),
+                       device=device)
 
 
-def pylm_task(quick: bool = False, batch_size: int | None = None) -> Task:
+def pylm_task(quick: bool = False, batch_size: int | None = None, device: str | torch.device = "cpu") -> Task:
     """The charlm model on Python source: a source task for the nowcaster, not a benchmark task."""
-    return charlm_task(quick, text_source="python", batch_size=batch_size)
+    return charlm_task(quick, text_source="python", batch_size=batch_size, device=device)
 
 
 TASKS = {"charlm": charlm_task, "fashion": fashion_task, "digits": digits_task, "digits-full": digits_full_task,
          "pylm": pylm_task}
 
 
-def get_task(name: str, quick: bool = False, batch_size: int | None = None) -> Task:
-    """The named task; ``batch_size`` replaces its default batch size (samples per step)."""
+def get_task(name: str, quick: bool = False, batch_size: int | None = None,
+             device: str | torch.device = "cpu") -> Task:
+    """The named task; ``batch_size`` replaces its default batch size (samples per step);
+    ``device`` is where its model, data and validation live."""
     if name not in TASKS:
         raise ValueError(f"task must be one of {sorted(TASKS)}, got {name!r}")
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
         raise ValueError(f"batch_size must be an int >= 1 or None, got {batch_size!r}")
-    return TASKS[name](quick, batch_size=batch_size)
+    return TASKS[name](quick, batch_size=batch_size, device=device)
 
 
 
