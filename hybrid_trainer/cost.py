@@ -61,6 +61,10 @@ class PredictionCost:
             self.seconds[part] = 0.5 * (ordered[(n - 1) // 2] + ordered[n // 2])  # median
             self.samples[part] = []
 
+    def calibrating(self, part: str) -> bool:
+        """Whether timings of ``part`` are still being collected."""
+        return self.seconds[part] is None
+
     @property
     def calibrated(self) -> dict[str, bool]:
         return {part: value is not None for part, value in self.seconds.items()}

@@ -275,7 +275,7 @@ class HybridTrainer:
     # ----------------------------------------------------------------------- real steps ----
     def _real_step(self, batch: Any, phase: Phase) -> StepResult:
         cfg = self.config
-        started = time.perf_counter()
+        started = self._clock("core")
         self._machinery_s = 0.0  # time spent on prediction machinery during this step
         # Every step ends by setting the gradients to None, so only gradients left by someone else
         # (the caller's own backward, a step that raised) need clearing; a zero_grad with nothing
@@ -316,10 +316,10 @@ class HybridTrainer:
 
         record = self.controller.prediction_enabled and phase is not Phase.WARMUP
         if record:
-            mark = time.perf_counter()
+            mark = self._clock("recording")
             self._measure_worth()
             self.predictor.begin_step()
-            recording_s = time.perf_counter() - mark
+            recording_s = self._clock("recording") - mark
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -332,9 +332,9 @@ class HybridTrainer:
             self.scheduler.step()
         update_norm = None
         if record:
-            mark = time.perf_counter()
+            mark = self._clock("recording")
             update = self.predictor.end_step()
-            recording_s += time.perf_counter() - mark
+            recording_s += self._clock("recording") - mark
             self._time("recording", recording_s)
             update_norm = update.update_norm
             if math.isfinite(update.cosine):
@@ -353,7 +353,7 @@ class HybridTrainer:
                 and report.severity is Severity.OK:
             self.good_state.save(self.step_count, self.optimizer)
         if record:
-            self._time("core", time.perf_counter() - started - self._machinery_s)
+            self._time("core", self._clock("core") - started - self._machinery_s)
         return StepResult(step=self.step_count, phase=phase.value, loss=total, backward_done=True,
                           divergence=report.severity.name, grad_norm=grad_norm, lr=lr)
 
@@ -407,7 +407,7 @@ class HybridTrainer:
             # moot while a predicted step is not worth it; on small models they cost as much as
             # the step itself, so they wait for the gate (the rings above keep filling).
             return
-        mark = time.perf_counter()
+        mark = self._clock("forecasting")
         h.lr, h.step, h.phase, h.phase_step = lr, self.step_count, phase.code, self.controller.phase_step
         h.acceptance_rate = self.controller.acceptance_estimate()
         errors = self.dynamics.error_report()
@@ -415,15 +415,25 @@ class HybridTrainer:
         features = hk.encode_state(h, optimizer_state=self.optimizer)
         self.normalizer.update(features)
         self.dynamics.observe(self.normalizer.normalize(features), loss)
-        self._time("forecasting", time.perf_counter() - mark)
+        self._time("forecasting", self._clock("forecasting") - mark)
         if self.stats.optimizer_steps % cfg.dynamics_train_every == 0 and self.dynamics.ready():
-            mark = time.perf_counter()
+            mark = self._clock("dynamics_training")
             self.dynamics.train_step()
             self._forecast = self.dynamics.forecast()
-            self._time("dynamics_training", (time.perf_counter() - mark) / cfg.dynamics_train_every)
+            self._time("dynamics_training", (self._clock("dynamics_training") - mark) / cfg.dynamics_train_every)
+
+    def _clock(self, part: str) -> float:
+        """``time.perf_counter()`` for timing ``part``. While that part is being calibrated on a
+        GPU, read after a synchronize: otherwise the device work queued before the mark (the
+        backward, the optimizer step) finishes inside whichever part next reads a value from the
+        device, and is charged to the prediction machinery instead of the core step. After
+        calibration no timing is used, so no synchronize is added."""
+        if self.device.type == "cuda" and self.cost is not None and self.cost.calibrating(part):
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def _time(self, part: str, seconds: float) -> None:
-        """Feed the cost calibration (wall-clock; on GPU the float() reads in each part synchronise)."""
+        """Feed the cost calibration (wall-clock seconds, read with :meth:`_clock`)."""
         if part != "core":
             self._machinery_s += seconds
         if self.cost is not None:

@@ -88,3 +88,21 @@ def test_calibrated_cost_travels_with_the_checkpoint(tmp_path):
     second.load(tmp_path / "ckpt.pt")
     assert second.cost.seconds == first.cost.seconds
     assert second.required_worth() == first.required_worth()
+
+
+def test_gpu_timings_synchronise_only_while_their_part_calibrates(monkeypatch):
+    """On a GPU the clock is read after a synchronize while a part calibrates, so queued device
+    work is charged to the part that queued it; afterwards no synchronize is added."""
+    model = mlp(0)
+    trainer = HybridTrainer(model, torch.optim.AdamW(model.parameters()), cross_entropy)
+    synchronised = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synchronised.append(device))
+    trainer._clock("recording")
+    assert synchronised == []  # a CPU run never synchronises
+    trainer.device = torch.device("cuda", 0)  # the clock's view only: no tensor moves
+    trainer._clock("recording")
+    assert synchronised == [torch.device("cuda", 0)]
+    calibrate(trainer.cost, "recording", [1e-3] * CALIBRATION_STEPS["recording"])
+    trainer._clock("recording")
+    trainer._clock("core")  # still calibrating
+    assert len(synchronised) == 2
