@@ -4,6 +4,9 @@
 # holds a CUDA build keeps it.
 PYTHON ?= python3
 VENV ?= .venv
+# On a GPU machine whose python already has a CUDA build of torch: VENV_ARGS=--system-site-packages
+# makes the venv see it, so no CPU build is installed over it.
+VENV_ARGS ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PIP_FLAGS ?= --quiet --disable-pip-version-check
@@ -15,7 +18,7 @@ export OMP_NUM_THREADS ?= 1
 install: $(STAMP)
 
 $(PY):
-	$(PYTHON) -m venv $(VENV)
+	$(PYTHON) -m venv $(VENV_ARGS) $(VENV)
 
 $(STAMP): $(PY) pyproject.toml constraints-cpu.txt
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install $(PIP_FLAGS) -c constraints-cpu.txt torch
