@@ -27,7 +27,7 @@ from operator import attrgetter
 
 import torch
 
-from ._dispatch import choose_backend, record
+from ._dispatch import choose_backend, record, triton_can_run
 from ._multi_tensor import MultiTensorLayout, cached_layout
 from ._triton_compat import INTERPRET, tl, triton
 from .int8_quant import FLOAT_DTYPES, _dequantize_eager, group_size_for, scale_shape_for
@@ -149,11 +149,13 @@ def _one_flat_group(params, deltas, scales) -> bool:
             and all(len(set(map(_dtype, ts))) == 1 and all(map(_is_contiguous, ts)) for ts in lists))
 
 
-def _apply_triton(params, deltas, scales, alphas, group_sizes, want_norms: bool):
-    if _one_flat_group(params, deltas, scales):
+def _apply_triton(params, deltas, scales, alphas, group_sizes, want_norms: bool,
+                  layout: MultiTensorLayout | None = None):
+    """``layout``: built for exactly these lists, which form one flat group (``DeltaApplier``)."""
+    if layout is not None or _one_flat_group(params, deltas, scales):
         # Same dtype per list: every address is a whole number of elements from any other, so
         # the per-tensor offset checks of the general path below always pass.
-        return _launch_group(params, deltas, scales, alphas, group_sizes, want_norms)
+        return _launch_group(params, deltas, scales, alphas, group_sizes, want_norms, layout)
     norms = torch.zeros(len(params), dtype=torch.float32, device=params[0].device) if want_norms else None
     groups: dict[tuple, list[int]] = {}
     for i, (p, d) in enumerate(zip(params, deltas)):
@@ -218,15 +220,18 @@ def _apply_eager(params, deltas, scales, alphas: torch.Tensor, group_sizes, want
 # --------------------------------------------------------------------------------------------
 def _apply_impl(params: list[torch.Tensor], deltas: list[torch.Tensor], alphas: torch.Tensor,
                 scales: list[torch.Tensor] | None, group_sizes: list[int],
-                out_norms: torch.Tensor | None) -> None:
+                out_norms: torch.Tensor | None, layout: MultiTensorLayout | None = None) -> None:
     if not params:
         return
     backend = choose_backend("apply_delta_", params[0].device)
     record("apply_delta_", backend)
-    run = _apply_triton if backend == "triton" else _apply_eager
+    want_norms = out_norms is not None
     with torch.no_grad():
-        norms = run(params, deltas, scales, alphas, group_sizes, out_norms is not None)
-        if out_norms is not None:
+        if backend == "triton":
+            norms = _apply_triton(params, deltas, scales, alphas, group_sizes, want_norms, layout)
+        else:
+            norms = _apply_eager(params, deltas, scales, alphas, group_sizes, want_norms)
+        if want_norms:
             out_norms.copy_(norms)
 
 
@@ -317,7 +322,8 @@ def _check_args(params, deltas, alpha, scales, granularity, block_size, out_norm
         group_sizes = [1] * n
     else:
         group_sizes = _check_each_tensor(params, deltas, scales, granularity, block_size)
-    return _alphas_for(alpha, n), _check_out_norms(out_norms, n), group_sizes
+    _check_out_norms(out_norms, n)
+    return _alphas_for(alpha, n), group_sizes
 
 
 def _alphas_for(alpha, n: int) -> torch.Tensor:
@@ -342,13 +348,12 @@ def _alphas_for(alpha, n: int) -> torch.Tensor:
     return alphas
 
 
-def _check_out_norms(out_norms, n: int):
+def _check_out_norms(out_norms, n: int) -> None:
     if out_norms is not None:
         if not isinstance(out_norms, torch.Tensor) or out_norms.dtype != torch.float32:
             raise TypeError(f"out_norms must be a float32 tensor, got {_describe(out_norms)}")
         if out_norms.shape != (n,):
             raise ValueError(f"out_norms must have shape ({n},), got {tuple(out_norms.shape)}")
-    return out_norms
 
 
 def apply_delta_(params: Sequence[torch.Tensor], deltas: Sequence[torch.Tensor],
@@ -374,7 +379,7 @@ def apply_delta_(params: Sequence[torch.Tensor], deltas: Sequence[torch.Tensor],
         ValueError / TypeError naming the argument and index for mismatched lengths, shapes,
         devices or dtypes, non-finite alpha, or two params sharing storage.
     """
-    alphas, _, group_sizes = _check_args(params, deltas, alpha, scales, granularity, block_size, out_norms)
+    alphas, group_sizes = _check_args(params, deltas, alpha, scales, granularity, block_size, out_norms)
     params, deltas = list(params), list(deltas)
     scales = None if scales is None else list(scales)
     if torch.compiler.is_compiling():
@@ -401,11 +406,14 @@ class DeltaApplier:
 
     def __init__(self, params: Sequence[torch.Tensor], deltas: Sequence[torch.Tensor], *,
                  scales: Sequence[torch.Tensor] | None = None, granularity: str = "tensor", block_size: int = 256):
-        _, _, self._group_sizes = _check_args(params, deltas, 1.0, scales, granularity, block_size, None)
+        _, self._group_sizes = _check_args(params, deltas, 1.0, scales, granularity, block_size, None)
         self.params, self.deltas = list(params), list(deltas)
         self.scales = None if scales is None else list(scales)
-        self._one_group = bool(self.params) and _one_flat_group(self.params, self.deltas, self.scales)
-        self._layout: MultiTensorLayout | None = None
+        # The kernel's tables, when the lists form one flat group the kernel can address.
+        self._layout = None
+        if self.params and triton_can_run(self.params[0].device) and _one_flat_group(self.params, self.deltas, self.scales):
+            lists = [self.params, self.deltas, self.scales if self.scales is not None else self.deltas]
+            self._layout = MultiTensorLayout(lists, _BLOCK * _ITERS, extra=[self._group_sizes])
 
     def __len__(self) -> int:
         return len(self.params)
@@ -414,22 +422,12 @@ class DeltaApplier:
                  out_norms: torch.Tensor | None = None) -> None:
         """``params[i] += alpha[i] * deltas[i]`` in place (see :func:`apply_delta_`)."""
         n = len(self.params)
-        alphas, out_norms = _alphas_for(alpha, n), _check_out_norms(out_norms, n)
-        if not n:
-            return
-        backend = choose_backend("apply_delta_", self.params[0].device)
-        if backend != "triton" or not self._one_group or torch.compiler.is_compiling():
-            _apply_impl(self.params, self.deltas, alphas, self.scales, self._group_sizes, out_norms)
-            return
-        record("apply_delta_", backend)
-        if self._layout is None:
-            lists = [self.params, self.deltas, self.scales if self.scales is not None else self.deltas]
-            self._layout = MultiTensorLayout(lists, _BLOCK * _ITERS, extra=[self._group_sizes])
-        with torch.no_grad():
-            norms = _launch_group(self.params, self.deltas, self.scales, alphas, self._group_sizes,
-                                  out_norms is not None, layout=self._layout)
-            if out_norms is not None:
-                out_norms.copy_(norms)
+        alphas = _alphas_for(alpha, n)
+        _check_out_norms(out_norms, n)
+        if torch.compiler.is_compiling():
+            _apply_delta_op(self.params, self.deltas, alphas, self.scales or [], self._group_sizes, out_norms)
+        else:
+            _apply_impl(self.params, self.deltas, alphas, self.scales, self._group_sizes, out_norms, self._layout)
 
 
 __all__ = ["DeltaApplier", "apply_delta_", "kernel_launches"]
