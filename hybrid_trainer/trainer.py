@@ -275,7 +275,9 @@ class HybridTrainer:
     # ----------------------------------------------------------------------- real steps ----
     def _real_step(self, batch: Any, phase: Phase) -> StepResult:
         cfg = self.config
-        started = self._clock("core")
+        # Recording steps feed the cost calibration, so only they pay for a synchronised clock.
+        record = self.controller.prediction_enabled and phase is not Phase.WARMUP
+        started = self._clock("core") if record else time.perf_counter()
         self._machinery_s = 0.0  # time spent on prediction machinery during this step
         # Every step ends by setting the gradients to None, so only gradients left by someone else
         # (the caller's own backward, a step that raised) need clearing; a zero_grad with nothing
@@ -314,7 +316,6 @@ class HybridTrainer:
         if report.critical:
             return self._refuse_update(phase, total, grad_norm, lr, report)
 
-        record = self.controller.prediction_enabled and phase is not Phase.WARMUP
         if record:
             mark = self._clock("recording")
             self._measure_worth()

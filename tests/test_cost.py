@@ -106,3 +106,31 @@ def test_gpu_timings_synchronise_only_while_their_part_calibrates(monkeypatch):
     trainer._clock("recording")
     trainer._clock("core")  # still calibrating
     assert len(synchronised) == 2
+
+
+def test_only_recording_steps_synchronise_and_only_while_calibrating(monkeypatch):
+    """Warmup steps and runs without prediction never synchronise; recording steps do until
+    every part they time is calibrated."""
+    synchronised = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synchronised.append(device))
+    x, y = digits_tensors()
+    stream = batches(x, y, 64, 120)
+
+    def run(config, steps):
+        synchronised.clear()
+        model = mlp(0)
+        trainer = HybridTrainer(model, torch.optim.AdamW(model.parameters(), lr=3e-3), cross_entropy, config=config)
+        trainer.device = torch.device("cuda", 0)  # the clock's view only: the tensors stay on the CPU
+        per_step = []
+        for batch in stream[:steps]:
+            before = len(synchronised)
+            trainer.step(batch)
+            per_step.append(len(synchronised) - before)
+        return trainer, per_step
+
+    _, per_step = run(HybridConfig(predict=False), 60)
+    assert sum(per_step) == 0
+    trainer, per_step = run(HybridConfig(warmup_steps=10), 60)
+    assert sum(per_step[:10]) == 0  # WARMUP records nothing
+    assert sum(per_step) > 0 and trainer.cost.calibrated["core"] and trainer.cost.calibrated["recording"]
+    assert per_step[-1] == 0  # calibrated: no synchronize on later steps
