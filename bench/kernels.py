@@ -164,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown_table(rows)
     header = (f"Kernel microbenchmarks on {device_name}, {result['path']}, torch {result['torch']}, "
               f"OMP_NUM_THREADS={result['omp_num_threads']}; `{command}` ({result['date']}).")
+    if code:  # a failed benchmark has no row: say so where the table is read
+        header += f" **pytest exited with {code}: failed benchmarks are missing from this table.**"
+        print(f"benchmarks failed (pytest exit code {code}); their rows are missing", file=sys.stderr)
     (args.out / f"{stem}.md").write_text(header + "\n\n" + table + "\n")
     plot(rows, args.out / f"{stem}.png", header[:160])
     print("\n" + header + "\n\n" + table)

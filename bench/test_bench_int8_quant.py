@@ -44,7 +44,22 @@ def test_dequantize(benchmark, device, size, granularity):
 
 
 @pytest.mark.parametrize("size", list(SIZES))
-def test_torch_reference_copy(benchmark, device, size):
+def test_dequantize_copy_ceiling(benchmark, device, size):
+    """Yardstick for dequantize: an int8 → fp32 cast moves the same bytes with no math."""
+    q = torch.randint(-127, 128, SIZES[size], device=device).to(torch.int8)
+    n = q.numel()
+    benchmark.group = f"dequantize_int8 fp32 {size}"
+    benchmark.extra_info.update(impl="torch q.to(float32) (copy ceiling)", elements=n, bytes=5 * n, baseline=True)
+
+    def run():
+        q.to(torch.float32)
+        sync()
+
+    benchmark(run)
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+def test_quantize_copy_ceiling(benchmark, device, size):
     """Yardstick: an fp32 → int8 cast moves the same bytes with no math (memory-bound ceiling)."""
     x = torch.randn(SIZES[size], device=device)
     n = x.numel()
