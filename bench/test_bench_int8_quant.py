@@ -43,31 +43,22 @@ def test_dequantize(benchmark, device, size, granularity):
     benchmark(run)
 
 
-@pytest.mark.parametrize("size", list(SIZES))
-def test_dequantize_copy_ceiling(benchmark, device, size):
-    """Yardstick for dequantize: an int8 → fp32 cast moves the same bytes with no math."""
-    q = torch.randint(-127, 128, SIZES[size], device=device).to(torch.int8)
-    n = q.numel()
-    benchmark.group = f"dequantize_int8 fp32 {size}"
-    benchmark.extra_info.update(impl="torch q.to(float32) (copy ceiling)", elements=n, bytes=5 * n, baseline=True)
-
-    def run():
-        q.to(torch.float32)
-        sync()
-
-    benchmark(run)
+# Yardsticks: a plain cast moves the same bytes as the op with no math (memory-bound ceiling).
+CEILINGS = {"quantize": (torch.float32, torch.int8, "torch x.to(int8) (copy ceiling)"),
+            "dequantize": (torch.int8, torch.float32, "torch q.to(float32) (copy ceiling)")}
 
 
 @pytest.mark.parametrize("size", list(SIZES))
-def test_quantize_copy_ceiling(benchmark, device, size):
-    """Yardstick: an fp32 → int8 cast moves the same bytes with no math (memory-bound ceiling)."""
-    x = torch.randn(SIZES[size], device=device)
+@pytest.mark.parametrize("op", list(CEILINGS))
+def test_copy_ceiling(benchmark, device, op, size):
+    source, target, label = CEILINGS[op]
+    x = (torch.randn(SIZES[size], device=device) * 50).to(source)
     n = x.numel()
-    benchmark.group = f"quantize_int8 fp32 {size}"
-    benchmark.extra_info.update(impl="torch x.to(int8) (copy ceiling)", elements=n, bytes=5 * n, baseline=True)
+    benchmark.group = f"{op}_int8 fp32 {size}"
+    benchmark.extra_info.update(impl=label, elements=n, bytes=5 * n, baseline=True)
 
     def run():
-        x.to(torch.int8)
+        x.to(target)
         sync()
 
     benchmark(run)
