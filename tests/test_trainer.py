@@ -1,6 +1,7 @@
 """HybridTrainer behaviour: every claim of the design has a test here that fails if it breaks."""
 import json
 import math
+import sys
 
 import pytest
 import torch
@@ -212,7 +213,9 @@ def test_real_steps_are_the_plain_loop_for_any_loss_shape_and_accumulation(strea
             total += float(loss.detach())
             loss.backward()
         optimizer.step()
-        assert result.loss == total
+        # Micro-batch losses are summed on the device (one host read per step), in the loss's
+        # float32, here in Python's double.
+        assert result.loss == pytest.approx(total, rel=1e-6, abs=0)
     for p, q in zip(trainer.params, plain.parameters()):
         assert torch.equal(p.detach(), q.detach())
 
@@ -421,6 +424,52 @@ def test_loss_spike_restores_the_last_good_state(stream):
     assert trainer.controller.phase is Phase.FULL and trainer.stats.divergence_rollbacks == 1
     assert good_step <= 15
     assert not trainer.step(stream[16]).skipped  # and training goes on
+
+
+def test_refused_step_under_fp16_grad_scaling_leaves_the_scaler_usable(stream):
+    # The GradScaler allows one unscale_ per update(); a refused step must still end with one,
+    # or the next step raises.
+    trainer = make_trainer(good_state_every=5, divergence={"min_history": 5}, autocast_dtype="float16")
+    calls = {"n": 0}
+
+    def spiking(model, batch):
+        calls["n"] += 1
+        loss = cross_entropy(model, batch)
+        return loss * 50.0 if calls["n"] == 16 else loss
+
+    trainer.loss_fn = spiking
+    for b in stream[:15]:
+        trainer.step(b)
+    assert trainer.step(stream[15]).skipped
+    later = [trainer.step(b) for b in stream[16:20]]
+    assert not any(r.skipped for r in later) and trainer.stats.optimizer_steps == 19
+
+
+def test_a_queueing_device_gets_one_host_read_per_real_step(stream, monkeypatch):
+    # On a GPU every read of a value waits for the queued work; the step reads its loss and its
+    # gradient norm together. Emulated on the CPU: values and weights must equal the CPU path's.
+    import hybrid_trainer.trainer as trainer_module
+
+    plain = make_trainer(predict=False)
+    reference = [plain.step(b) for b in stream[:12]]
+    monkeypatch.setattr(trainer_module, "_reads_are_free", lambda device: False)
+    merged = make_trainer(predict=False)
+    reads = {"n": 0}
+    for name in ("item", "tolist", "__float__"):
+        original = getattr(torch.Tensor, name)
+
+        def counting(self, *args, _original=original):
+            # The trainer's reads only: AdamW's step counters are CPU tensors on every device.
+            reads["n"] += sys._getframe(1).f_globals.get("__name__", "").startswith("hybrid_trainer")
+            return _original(self, *args)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    results = [merged.step(b) for b in stream[:12]]
+    monkeypatch.undo()
+    assert reads["n"] == 12
+    assert [(r.loss, r.grad_norm) for r in results] == [(r.loss, r.grad_norm) for r in reference]
+    for p, q in zip(merged.params, plain.params):
+        assert torch.equal(p, q)
 
 
 def test_linear_direction_is_the_least_squares_slope_of_recorded_updates():
