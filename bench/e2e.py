@@ -38,7 +38,7 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -286,16 +286,29 @@ def preset_config(name: str) -> HybridConfig:
 
 
 WARM_UP_STEPS = 150  # past the trainer's first phase decisions (step 80), so every kernel it uses has run
+# Prediction on whatever it is worth: the warm-up must reach every kernel the timed runs may use.
+FORCED_PREDICTION = dict(min_predicted_worth=-1.0, confidence_threshold=0.0, cost_aware=False)
 
 
-def warm_up(task: Task, arms: list[ArmSpec], steps: int) -> None:
-    """Untimed short runs of every arm on a throwaway seed. On a GPU the first call of each
-    Triton kernel in a process compiles it (seconds), which would otherwise be charged to
-    whichever timed run came first (seen: one seed of fashion's HybridTrainer 3x slower)."""
+def warm_up(task: Task, arms: list[ArmSpec], steps: int) -> list[ArmRun]:
+    """Untimed short runs of every arm on a throwaway seed; returns them. On a GPU the first call
+    of each Triton kernel in a process compiles it (seconds), which would otherwise be charged
+    to whichever timed run came first. Each hybrid arm also runs once with prediction forced on:
+    the state encoder and the dynamics model's GRU run only while a run's measured worth passes
+    the gate, so a warm-up whose worth never did left them to the first timed seed whose worth
+    did (seen on the H100: one fashion seed 2.6 s slower, stalled at step 27; on a CPU that seed
+    runs the encoder at steps 26-27 only, the warm-up's seed never)."""
+    runs = []
     for arm in arms:
-        run = ArmRun(arm, task, 10_000, steps)
-        while not run.done:
-            run.run_chunk(task.eval_every, record_phases=False)
+        specs = [arm]
+        if arm.hybrid:
+            specs.append(replace(arm, config=replace(arm.config, **FORCED_PREDICTION)))
+        for spec in specs:
+            run = ArmRun(spec, task, 10_000, steps)
+            while not run.done:
+                run.run_chunk(task.eval_every, record_phases=False)
+            runs.append(run)
+    return runs
 
 
 def benchmark_task(name: str, quick: bool, n_seeds: int, presets: list[str], device: str = "cpu") -> dict:

@@ -49,3 +49,22 @@ def test_quick_digits_runs_on_cuda(tmp_path):
     assert result["meta"]["device"] == torch.cuda.get_device_name(0)
     assert result["meta"]["command"].endswith("--device cuda")
     assert (tmp_path / "e2e_quick_cuda.md").exists() and not (tmp_path / "e2e_quick.md").exists()
+
+
+def test_warm_up_reaches_every_kernel_a_timed_run_may_use(monkeypatch):
+    """Which of the trainer's kernels a run calls depends on its measured worth (the encoder and
+    the dynamics model wait for the gate), so the warm-up forces prediction on once per hybrid
+    arm: a GPU then compiles every kernel before the clock runs."""
+    import hybrid_kernels as hk
+
+    monkeypatch.setenv("HYBRID_KERNELS_BACKEND", "eager")
+    task = get_task("digits", quick=True)
+    arms = [e2e.ArmSpec("AdamW", 3e-3), e2e.ArmSpec("HybridTrainer (default)", 3e-3, e2e.preset_config("default"))]
+    hk.reset_backend_counts()
+    runs = e2e.warm_up(task, arms, steps=e2e.WARM_UP_STEPS)
+    assert [r.spec.name for r in runs] == ["AdamW", "HybridTrainer (default)", "HybridTrainer (default)"]
+    default, forced = runs[1].trainer, runs[2].trainer
+    assert default.config.min_predicted_worth != forced.config.min_predicted_worth  # the arm's own config first
+    assert forced.dynamics.train_steps > 0 and forced.stats.predicted_steps > 0
+    counts = hk.backend_counts()
+    assert counts.get(("encode_state", "eager"), 0) > 0 and counts.get(("apply_delta_", "eager"), 0) > 0
