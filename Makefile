@@ -66,8 +66,9 @@ bench-nowcast: data
 
 # Worth of predicted steps against batch size, full-batch digits end to end, the worth signal
 # driving the learning rate, warmup-cosine schedules and gradient clipping for reference, and
-# predicted lower-layer updates with a partial backward (~75 min): docs/results/predictors_<task>_batch_sweep.*,
-# docs/results/fullbatch/, docs/results/lr_control* and docs/results/partial_backward_*.
+# predicted lower-layer updates with a partial backward, and the confidence and end-to-end result of
+# prediction forced on (~95 min): docs/results/predictors_<task>_batch_sweep.*, docs/results/fullbatch/,
+# docs/results/lr_control*, docs/results/partial_backward_*, docs/results/confidence.* and docs/results/forced/.
 bench-worth: data
 	$(PY) -m bench.predictors --task digits --steps 300 --lr 0.003 --batch-sizes 16 64 256 1437 --out docs/results
 	$(PY) -m bench.predictors --task fashion --steps 300 --lr 0.001 --batch-sizes 32 128 512 2048 --out docs/results
@@ -78,6 +79,8 @@ bench-worth: data
 	$(PY) -m bench.lr_control --tasks charlm --betas --clipped-factors 1 2 4 --tag clip --out docs/results
 	$(PY) -m bench.partial_backward --task fashion --out docs/results
 	$(PY) -m bench.partial_backward --task charlm --out docs/results
+	$(PY) -m bench.confidence --out docs/results
+	$(PY) -m bench.e2e --tasks fashion charlm --presets forced --seeds 3 --out docs/results/forced
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .benchmarks

@@ -265,7 +265,11 @@ def sweep_lr(task: Task, seed: int, lrs: list[float] | None = None, average: boo
     return best, finals
 
 
-PRESETS = ("default", "conservative", "aggressive", "no-predict", "weight-average")
+PRESETS = ("default", "conservative", "aggressive", "no-predict", "weight-average", "forced")
+# Prediction at every phase decision, whatever it is worth, and never switched off: what the
+# worth gate saves a run from (the ``forced`` preset), and the warm-up's way to reach every kernel.
+FORCED_PREDICTION = dict(min_predicted_worth=-1.0, confidence_threshold=0.0, cost_aware=False,
+                         max_consecutive_rejections=10**6, max_consecutive_declines=10**6)
 # Rates swept (× the tuned one) for runs evaluated at their weight average: the average removes
 # the oscillation a larger rate adds, so its best rate can be higher than the raw iterate's.
 AVERAGE_LR_FACTORS = (1, 2, 4)
@@ -273,9 +277,12 @@ AVERAGE_LR_FACTORS = (1, 2, 4)
 
 def preset_config(name: str) -> HybridConfig:
     """``no-predict`` is the trainer with prediction off: what its safety layer alone costs;
-    ``weight-average`` the default config evaluated at its lag-corrected weight average."""
+    ``weight-average`` the default config evaluated at its lag-corrected weight average;
+    ``forced`` the default config predicting at every phase decision (:data:`FORCED_PREDICTION`)."""
     if name == "default":
         return HybridConfig()
+    if name == "forced":
+        return HybridConfig(**FORCED_PREDICTION)
     if name == "no-predict":
         return HybridConfig(predict=False)
     if name == "weight-average":
@@ -286,8 +293,6 @@ def preset_config(name: str) -> HybridConfig:
 
 
 WARM_UP_STEPS = 150  # past the trainer's first phase decisions (step 80), so every kernel it uses has run
-# Prediction on whatever it is worth: the warm-up must reach every kernel the timed runs may use.
-FORCED_PREDICTION = dict(min_predicted_worth=-1.0, confidence_threshold=0.0, cost_aware=False)
 
 
 def warm_up(task: Task, arms: list[ArmSpec], steps: int) -> list[ArmRun]:
