@@ -402,8 +402,9 @@ def test_offload_while_predicting_leaves_the_run_unchanged(stream):
         assert torch.equal(p, q)
 
 
-def test_loss_spike_restores_the_last_good_state(stream):
-    trainer = make_trainer(good_state_every=5, divergence={"min_history": 5})
+def spiking_trainer(stream, **overrides):
+    """A trainer after 15 ordinary steps whose next loss (the 16th call) is 50 times too large."""
+    trainer = make_trainer(good_state_every=5, divergence={"min_history": 5}, **overrides)
     calls = {"n": 0}
 
     def spiking(model, batch):
@@ -414,6 +415,11 @@ def test_loss_spike_restores_the_last_good_state(stream):
     trainer.loss_fn = spiking
     for b in stream[:15]:
         trainer.step(b)
+    return trainer
+
+
+def test_loss_spike_restores_the_last_good_state(stream):
+    trainer = spiking_trainer(stream)
     assert trainer.good_state.is_set
     good_step = trainer.good_state.step
     result = trainer.step(stream[15])
@@ -429,17 +435,7 @@ def test_loss_spike_restores_the_last_good_state(stream):
 def test_refused_step_under_fp16_grad_scaling_leaves_the_scaler_usable(stream):
     # The GradScaler allows one unscale_ per update(); a refused step must still end with one,
     # or the next step raises.
-    trainer = make_trainer(good_state_every=5, divergence={"min_history": 5}, autocast_dtype="float16")
-    calls = {"n": 0}
-
-    def spiking(model, batch):
-        calls["n"] += 1
-        loss = cross_entropy(model, batch)
-        return loss * 50.0 if calls["n"] == 16 else loss
-
-    trainer.loss_fn = spiking
-    for b in stream[:15]:
-        trainer.step(b)
+    trainer = spiking_trainer(stream, autocast_dtype="float16")
     assert trainer.step(stream[15]).skipped
     later = [trainer.step(b) for b in stream[16:20]]
     assert not any(r.skipped for r in later) and trainer.stats.optimizer_steps == 19
