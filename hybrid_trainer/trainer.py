@@ -72,12 +72,6 @@ def _reads_are_free(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
-def total_grad_norm(grads: list[torch.Tensor]) -> float:
-    """:func:`grad_norm_tensor` as a float (0.0 for no grads)."""
-    norm = grad_norm_tensor(grads)
-    return 0.0 if norm is None else float(norm)
-
-
 @dataclass
 class StepResult:
     """What one ``trainer.step`` did."""

@@ -585,19 +585,19 @@ def test_resume_follows_the_resuming_config_on_predict(stream, tmp_path, saved_p
     assert ("PREDICT" in phases) is resumed_predict
 
 
-def test_total_grad_norm_matches_torch_and_reports_non_finite():
-    from hybrid_trainer.trainer import total_grad_norm
+def test_grad_norm_matches_torch_and_reports_non_finite():
+    from hybrid_trainer.trainer import grad_norm_tensor
 
     torch.manual_seed(0)
     grads = [torch.randn(33, 7), torch.randn(5), torch.randn(2, 3, 4)]
-    assert total_grad_norm(grads) == float(torch.nn.utils.get_total_norm(grads))
+    assert float(grad_norm_tensor(grads)) == float(torch.nn.utils.get_total_norm(grads))
     mixed = [torch.randn(8), torch.randn(8, dtype=torch.float64)]  # falls back to torch's grouping
-    assert total_grad_norm(mixed) == pytest.approx(float(torch.cat([g.double() for g in mixed]).norm()))
-    assert total_grad_norm([]) == 0.0
+    assert float(grad_norm_tensor(mixed)) == pytest.approx(float(torch.cat([g.double() for g in mixed]).norm()))
+    assert grad_norm_tensor([]) is None
     grads[1][2] = float("inf")
-    assert total_grad_norm(grads) == float("inf")
+    assert float(grad_norm_tensor(grads)) == float("inf")
     grads[0][0, 0] = float("nan")
-    assert math.isnan(total_grad_norm(grads))
+    assert math.isnan(float(grad_norm_tensor(grads)))
 
 
 def test_weight_average_follows_real_steps_and_is_only_swapped_in_for_evaluation(stream):
