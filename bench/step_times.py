@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from hybrid_trainer import HybridTrainer
+
 from .e2e import preset_config, train_clock
 from .tasks import get_task
 
@@ -36,8 +38,6 @@ def compiled_kernels(cache_dir: Path | None) -> int:
 
 def time_steps(task, seed: int, preset: str, steps: int, lr: float, cache_dir: Path | None) -> list[dict]:
     """One run: ``[{step, phase, ms, kernels_compiled}]`` for each of ``steps`` steps."""
-    from hybrid_trainer import HybridTrainer
-
     model = task.make_model(seed)
     trainer = HybridTrainer(model, torch.optim.AdamW(model.parameters(), lr=lr), task.loss_fn,
                             preset_config(preset))
