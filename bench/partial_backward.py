@@ -103,6 +103,7 @@ def run(task, mode: str, every: int, lr: float, seed: int) -> dict:
 def analyse(task, runs: dict[str, list[dict]]) -> dict:
     target_step = int(0.8 * task.steps)
     target = sum(interpolate(r["curve"], "step", target_step) for r in runs["plain"]) / len(runs["plain"])
+    plain_crossings = [first_crossing(r["curve"], target) for r in runs["plain"]]
     summary = {}
     for mode, seeds in runs.items():
         crossings = [first_crossing(r["curve"], target) for r in seeds]
@@ -111,8 +112,8 @@ def analyse(task, runs: dict[str, list[dict]]) -> dict:
             final_val_loss=mean_std([r["curve"][-1]["val_loss"] for r in seeds]),
             time_to_target_s=mean_std([c["time"] if c else None for c in crossings]),
             reached_target=sum(c is not None for c in crossings),
-            speedup_vs_plain=mean_std([base["time"] / c["time"] if c and base else None for c, base in
-                                       zip(crossings, (first_crossing(r["curve"], target) for r in runs["plain"]))]),
+            speedup_vs_plain=mean_std([base["time"] / c["time"] if c and base else None
+                                       for c, base in zip(crossings, plain_crossings)]),
             lower_backward_skipped=seeds[0]["lower_backward_skipped"],
             lower_parameter_share=seeds[0]["lower_parameters"] / seeds[0]["parameters"])
     return dict(target_val_loss=target, target_step=target_step, arms=summary)
