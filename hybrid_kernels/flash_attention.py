@@ -136,7 +136,7 @@ def _fwd_key_blocks(acc, row_max, row_sum, q, k_base, v_base, stride_kn, stride_
 
 
 @triton.jit
-def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, out_residual_ptr, row_max_ptr, inv_sum_ptr,
+def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, out_residual_ptr, stats_ptr, stats_plane,
                       stride_qb, stride_qh, stride_qn,
                       stride_kb, stride_kh, stride_kn,
                       stride_vb, stride_vh, stride_vn,
@@ -148,6 +148,9 @@ def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, out_residual_ptr, row_max_pt
     """out_residual (same layout as out) receives fp32 out minus its rounding to out's dtype."""
     # 1-D grid (query blocks fastest): no 65535 limit on batch * heads, and the programs of one
     # head, which share its K/V, run next to each other.
+    # stats [2, B, Hq, Nq]: row maxima, then 1 / row sums (one tensor, no per-launch slicing on the host)
+    row_max_ptr = stats_ptr
+    inv_sum_ptr = stats_ptr + stats_plane
     pid = tl.program_id(0)
     query_block = pid % n_query_blocks
     batch_head = pid // n_query_blocks
@@ -296,7 +299,7 @@ def _bwd_dkdv_query_blocks(dk, dv, k, v, q_base, dout_base, max_base, inv_sum_ba
 
 
 @triton.jit
-def _flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, row_max_ptr, inv_sum_ptr, delta_ptr, dk_ptr, dv_ptr,
+def _flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, stats_ptr, stats_plane, delta_ptr, dk_ptr, dv_ptr,
                            stride_qb, stride_qh, stride_qn,
                            stride_kb, stride_kh, stride_kn,
                            stride_vb, stride_vh, stride_vn,
@@ -308,6 +311,9 @@ def _flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, row_max_ptr, inv_sum_p
                            HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            CAUSAL: tl.constexpr, UPCAST: tl.constexpr, TWO_TERM: tl.constexpr,
                            DOT_PRECISION: tl.constexpr):
+    # stats [2, B, Hq, Nq]: row maxima, then 1 / row sums (one tensor, no per-launch slicing on the host)
+    row_max_ptr = stats_ptr
+    inv_sum_ptr = stats_ptr + stats_plane
     pid = tl.program_id(0)
     key_block = pid % n_key_blocks
     batch_kv_head = pid // n_key_blocks
@@ -399,7 +405,7 @@ def _bwd_dq_key_blocks(dq, q, dout, row_max, inv_sum, delta, k_base, v_base, str
 
 
 @triton.jit
-def _flash_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, row_max_ptr, inv_sum_ptr, delta_ptr, dq_ptr,
+def _flash_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, stats_ptr, stats_plane, delta_ptr, dq_ptr,
                          stride_qb, stride_qh, stride_qn,
                          stride_kb, stride_kh, stride_kn,
                          stride_vb, stride_vh, stride_vn,
@@ -409,6 +415,9 @@ def _flash_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, row_max_ptr, inv_sum_ptr
                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          CAUSAL: tl.constexpr, UPCAST: tl.constexpr, TWO_TERM: tl.constexpr,
                          DOT_PRECISION: tl.constexpr):
+    # stats [2, B, Hq, Nq]: row maxima, then 1 / row sums (one tensor, no per-launch slicing on the host)
+    row_max_ptr = stats_ptr
+    inv_sum_ptr = stats_ptr + stats_plane
     pid = tl.program_id(0)
     query_block = pid % n_query_blocks
     batch_head = pid // n_query_blocks
@@ -456,12 +465,15 @@ def _flash_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, row_max_ptr, inv_sum_ptr
 # --------------------------------------------------------------------------------------------
 # Launchers
 # --------------------------------------------------------------------------------------------
-# Fastest correct configurations of `python -m bench.tune_flash_attention` on an NVIDIA H100
-# (docs/results/flash_tuning_nvidia-h100-80gb-hbm3.json; B=2, H=8, N=1024, D=64, fp16, non-causal):
-# forward 0.085 -> 0.0185 ms (SDPA 0.018), backward 0.270 -> 0.124 ms (SDPA 0.114) against the
-# 64 x 64 / 4 warps / 3 stages defaults. Only D = 64 with 16-bit inputs was measured.
+# Configurations for 16-bit inputs with D = 64, from `python -m bench.tune_flash_attention` on an
+# NVIDIA H100 (docs/results/flash_tuning_nvidia-h100-80gb-hbm3.json: device time from CUDA-graph
+# replays, B=2, H=8, N=1024, 8 configurations). Forward 64 x 128 / 4 warps / 3 stages: 0.014 ms
+# non-causal and 0.015 ms causal, SDPA (cuDNN) 0.014 ms; it was also the fastest non-causal
+# forward of 24 in the earlier runs timed with plain do_bench (..._do_bench.json). Backward 128 x 64 / 4 warps / 2
+# stages: 0.064 / 0.071 ms (non-causal / causal) against 0.088 / 0.090 ms for the 8-warp,
+# 3-stage tiles chosen before from host-inclusive timings, SDPA 0.038 / 0.040 ms.
 _TUNED_D64_16BIT = {"forward": {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3},
-                    "backward": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}}
+                    "backward": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}}
 
 
 def _kernel_config(head_dim: int, dtype: torch.dtype, backward: bool = False) -> dict:
@@ -489,7 +501,7 @@ def _upcast_loads(dtype: torch.dtype) -> bool:
 
 
 def _strides(t: torch.Tensor) -> tuple[int, int, int]:
-    return t.stride(0), t.stride(1), t.stride(2)
+    return t.stride()[:3]  # one call, not three: launches are host-bound at small shapes
 
 
 def _head_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -522,7 +534,7 @@ def _forward_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     n_query_blocks = triton.cdiv(seq_q, cfg["BLOCK_M"])
     grid = (n_query_blocks * batch * n_q_heads,)
     _flash_fwd_kernel[grid](
-        q, k, v, out, out_residual if store_residual else out, stats[0], stats[1],
+        q, k, v, out, out_residual if store_residual else out, stats, stats.numel() // 2,
         *_strides(q), *_strides(k), *_strides(v), *_strides(out),
         n_q_heads, n_q_heads // n_kv_heads, seq_q, seq_k, softmax_scale * LOG2E, n_query_blocks,
         HEAD_DIM=head_dim, CAUSAL=causal, UPCAST=_upcast_loads(q.dtype), STORE_RESIDUAL=store_residual,
@@ -564,12 +576,12 @@ def _backward_triton(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
 
     n_key_blocks = triton.cdiv(seq_k, block_n)
     _flash_bwd_dkdv_kernel[(n_key_blocks * batch * n_kv_heads,)](
-        q, k, v, dout, stats[0], stats[1], delta, dk, dv,
+        q, k, v, dout, stats, stats.numel() // 2, delta, dk, dv,
         *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk), *_strides(dv),
         n_q_heads, n_kv_heads, kv_group_size, seq_q, seq_k, qk_scale_log2, softmax_scale, n_key_blocks,
         **common)
     _flash_bwd_dq_kernel[(n_query_blocks * batch * n_q_heads,)](
-        q, k, v, dout, stats[0], stats[1], delta, dq,
+        q, k, v, dout, stats, stats.numel() // 2, delta, dq,
         *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
         n_q_heads, kv_group_size, seq_q, seq_k, qk_scale_log2, softmax_scale, n_query_blocks,
         **common)

@@ -36,6 +36,9 @@ _ABSMAX_TILE = 8192 if INTERPRET else 4096  # elements one program reduces per l
 # A single group larger than this (e.g. "tensor" granularity on a big input) is reduced as
 # partial maxima over chunks of this many elements, then one max (one program would use one SM).
 _TENSOR_PARTIAL_GROUP = 65536
+# A single group reduced to at most this many partial maxima is quantized by a kernel that reads
+# them itself (two launches in all); more partials take the separate max and scale ops.
+_MAX_FUSED_PARTIALS = 1024  # 64M elements
 # Groups up to this many elements are quantized in one pass (absmax, scale and codes from one
 # read of x, one launch); longer groups take the two-pass path (absmax kernel, then codes).
 _FUSED_MAX_GROUP = 8192
@@ -107,6 +110,30 @@ def _quantize_kernel(x_ptr, scale_ptr, q_ptr, numel, group_size, BLOCK: tl.const
 
 
 @triton.jit
+def _quantize_from_partials_kernel(x_ptr, partial_ptr, n_partials, scale_ptr, q_ptr, numel,
+                                   PARTIALS: tl.constexpr, BLOCK: tl.constexpr):
+    """One group (the whole tensor) whose absmax is spread over ``n_partials`` partial maxima:
+    every program reduces them itself (at most a few KB, read from cache), so the reduction and
+    the scale need no launches of their own; program 0 stores the scale. NaN propagates."""
+    pid = tl.program_id(0)
+    offs = tl.arange(0, PARTIALS)[None, :]
+    partial = tl.load(partial_ptr + offs, mask=offs < n_partials, other=0.0)
+    has_nan = tl.max((partial != partial).to(tl.int32), axis=1) > 0
+    absmax = tl.where(has_nan, float("nan"), tl.max(partial, axis=1))  # shape [1]
+    scale = tl.div_rn(absmax, tl.full([1], 127.0, tl.float32))
+    one = tl.arange(0, 1)
+    tl.store(scale_ptr + one, scale, mask=(one + pid) == 0)
+    idx = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < numel
+    x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    divisor = tl.where(scale > 0.0, scale, 1.0)
+    q = rint(tl.div_rn(x, divisor))
+    q = tl.where(q != q, 0.0, q)  # NaN input → code 0 (its scale is already non-finite)
+    q = tl.clamp(q, -127.0, 127.0)
+    tl.store(q_ptr + idx, q.to(tl.int8), mask=mask)
+
+
+@triton.jit
 def _dequantize_kernel(q_ptr, scale_ptr, out_ptr, numel, group_size, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     idx = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -152,13 +179,31 @@ def _quantize_groups_triton(x: torch.Tensor, group_size: int) -> tuple[torch.Ten
     return q, scales
 
 
+def _quantize_from_partials_triton(x: torch.Tensor, partials: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and the one scale of ``x`` (one group) from its chunks' maxima ``partials`` [P] fp32."""
+    numel = x.numel()
+    q = torch.empty(x.shape, dtype=torch.int8, device=x.device)
+    scale = torch.empty(1, dtype=torch.float32, device=x.device)
+    n_partials = triton.next_power_of_2(partials.numel())
+    # Every program re-reads the partials: wider programs keep that under a quarter of x's bytes.
+    block = _ELEMENTWISE_BLOCK if n_partials <= _ELEMENTWISE_BLOCK // 4 else 4 * _ELEMENTWISE_BLOCK
+    grid = (triton.cdiv(numel, block),)
+    _quantize_from_partials_kernel[grid](x, partials, partials.numel(), scale, q, numel,
+                                         PARTIALS=n_partials, BLOCK=block,
+                                         num_warps=8 if block >= 4096 else 4)
+    return q, scale
+
+
 def _quantize_triton(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     numel = x.numel()
     if min(group_size, numel) <= _FUSED_MAX_GROUP:
         return _quantize_groups_triton(x, min(group_size, numel))
     if group_size >= numel > _TENSOR_PARTIAL_GROUP:
         # One big group: maxima of 64K-element chunks in parallel, then the max of those.
-        absmax = _launch_group_absmax(x, _TENSOR_PARTIAL_GROUP).amax().reshape(1)
+        partials = _launch_group_absmax(x, _TENSOR_PARTIAL_GROUP)
+        if partials.numel() <= _MAX_FUSED_PARTIALS:
+            return _quantize_from_partials_triton(x, partials)
+        absmax = partials.amax().reshape(1)
     else:
         absmax = _launch_group_absmax(x, group_size)
     scales = _scales_from_absmax(absmax)

@@ -117,6 +117,26 @@ def test_big_single_group_uses_partial_maxima(device):
     assert int(q[69999]) == 127
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("max_fused_partials", [1024, 1])  # scale reduced in the kernel, or by torch ops
+@pytest.mark.parametrize("poison", [None, "nan", "inf", "zero"])
+def test_big_single_group_equals_eager_on_both_paths(max_fused_partials, poison, device, monkeypatch):
+    import hybrid_kernels.int8_quant as mod
+    monkeypatch.setattr(mod, "_MAX_FUSED_PARTIALS", max_fused_partials)
+    x = torch.randn(3 * 65536 + 5, device=device) * 3  # four partial maxima
+    if poison == "nan":
+        x[100000] = float("nan")
+    elif poison == "inf":
+        x[-1] = float("-inf")
+    elif poison == "zero":
+        x.zero_()
+    q_ref, s_ref = _eager(x, "tensor", 64, monkeypatch)
+    q, s = hk.quantize_int8(x)
+    assert hk.last_backend("quantize_int8") == "triton"
+    assert s.shape == () and torch.equal(q, q_ref)
+    assert torch.equal(s.isnan(), s_ref.isnan()) and torch.equal(s.nan_to_num(), s_ref.nan_to_num())
+
+
 def test_non_contiguous_input(device):
     x = torch.randn(33, 40, device=device).t()
     q, s = hk.quantize_int8(x, "row")

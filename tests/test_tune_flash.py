@@ -32,3 +32,15 @@ def test_refuses_to_run_without_a_gpu(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         tune.main(["--quick", "--out", str(tmp_path)])
     assert exit_info.value.code == 2 and "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_shape_and_block_arguments_parse_and_reject_bad_values():
+    import argparse
+    assert tune.parse_shape("2x8x1024x64") == (2, 8, 1024, 64)
+    assert tune.parse_block("64X128") == (64, 128)
+    for bad in ("2x8x1024", "2x8x0x64", "2x8xNx64"):
+        with pytest.raises(argparse.ArgumentTypeError, match="BxHxNxD"):
+            tune.parse_shape(bad)
+    for bad in ("64x96", "8x64", "64"):
+        with pytest.raises(argparse.ArgumentTypeError, match="powers of two"):
+            tune.parse_block(bad)
