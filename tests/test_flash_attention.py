@@ -209,6 +209,24 @@ def test_inference_call_builds_no_graph():
     torch.testing.assert_close(out.double(), expected, atol=2e-3, rtol=2e-3)
 
 
+def test_host_work_per_call_is_allocations_only():
+    """At small shapes a GPU call's time is its host work (docs/gpu.md): forward and backward
+    issue nothing but their output allocations (no slicing of the statistics, no copies)."""
+    from _host_ops import HostOps
+
+    q, k, v = _inputs(1, 2, 1, 32, 32, 16, F16)
+    out = flash_attention(q, k, v, causal=True)
+    dout = torch.randn_like(out)
+    with HostOps() as forward:
+        out = flash_attention(q, k, v, causal=True)
+    with HostOps() as backward:
+        torch.autograd.grad(out, (q, k, v), dout)
+    assert hybrid_kernels.last_backend("flash_attention_backward") == "triton"
+    # detach: autograd saving tensors for the backward, no device work
+    assert [op for op in forward.ops if op != "detach"] == ["empty"] * 3, forward.ops  # out, its rounding residual, stats
+    assert [op for op in backward.ops if op != "detach"] == ["empty"] * 4, backward.ops  # dq, dk, dv, delta
+
+
 def test_gradient_for_some_inputs_only():
     q, k, v = _inputs(1, 2, 1, 17, 33, 16, F32)
     k = k.detach()

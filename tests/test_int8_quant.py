@@ -137,6 +137,21 @@ def test_big_single_group_equals_eager_on_both_paths(max_fused_partials, poison,
     assert torch.equal(s.isnan(), s_ref.isnan()) and torch.equal(s.nan_to_num(), s_ref.nan_to_num())
 
 
+@pytest.mark.parametrize("granularity, shape", [("tensor", (200000,)), ("row", (300, 64)), ("block", (20000,))])
+def test_host_work_per_call_is_allocations_only(granularity, shape, device):
+    """Each torch op here is a launch or an allocator call on a GPU, where small calls are
+    host-bound: one big group's maxima are reduced inside the codes kernel, not by torch ops."""
+    from _host_ops import HostOps
+
+    x = torch.randn(shape, device=device)
+    hk.quantize_int8(x, granularity)
+    with HostOps() as host:
+        hk.quantize_int8(x, granularity)
+    assert hk.last_backend("quantize_int8") == "triton"
+    allocations = 3 if granularity == "tensor" else 2  # codes, scales (+ the chunk maxima)
+    assert [op for op in host.ops if op not in ("detach", "view")] == ["empty"] * allocations, host.ops
+
+
 def test_non_contiguous_input(device):
     x = torch.randn(33, 40, device=device).t()
     q, s = hk.quantize_int8(x, "row")
