@@ -151,7 +151,7 @@ class DynamicsModel(nn.Module):
 
     @torch.no_grad()
     def forecast(self, score: bool = True) -> dict[str, torch.Tensor] | None:
-        """Forecast from the latest state: loss change per horizon (loss units, float64 [H]):
+        """Forecast from the latest state: loss change per horizon (loss units, float64 [H], on the CPU):
         ``mean`` over members, ``epistemic`` (member spread) and ``aleatoric`` (predicted std).
         With ``score``, the forecast is compared with the real losses as they arrive."""
         if not self.ready():
@@ -161,7 +161,10 @@ class DynamicsModel(nn.Module):
         mean, logvar = self._rollout(windows.contiguous())
         mean = mean[:, 0].double() * self.loss_unit
         aleatoric = torch.exp(0.5 * logvar[:, 0].double()).mean(0) * self.loss_unit
-        result = {"mean": mean.mean(0), "epistemic": mean.std(0, unbiased=False), "aleatoric": aleatoric}
+        # Moved to the host in one read: only host logic (scoring, confidence, verification)
+        # consumes it, and each float() of a GPU tensor would wait for the device.
+        summary = torch.stack([mean.mean(0), mean.std(0, unbiased=False), aleatoric]).cpu()
+        result = {"mean": summary[0], "epistemic": summary[1], "aleatoric": summary[2]}
         if score:
             self._pending[self.count - 1] = result["mean"].clone()
         return result
@@ -180,7 +183,8 @@ class DynamicsModel(nn.Module):
 
     def error_report(self) -> dict[int, float]:
         """Realised mean |forecast − actual| loss change per horizon (only horizons with data)."""
-        return {h + 1: float(self.error_by_horizon[h]) for h in range(self.horizon) if int(self.error_counts[h]) > 0}
+        errors, counts = self.error_by_horizon.tolist(), self.error_counts.tolist()  # two reads, not 2 per horizon
+        return {h + 1: errors[h] for h in range(self.horizon) if counts[h] > 0}
 
     # -- checkpoint ------------------------------------------------------------------------
     def full_state_dict(self) -> dict:

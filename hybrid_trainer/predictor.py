@@ -43,10 +43,16 @@ class DeltaPredictor:
         history_size: K updates kept in int8 (``"linear"``).
         scale_beta: EMA factor of the per-tensor scale fits.
         scale_max: upper clamp of a scale.
+        batched_reductions: compute the per-tensor dot products as one elementwise pass into a
+            scratch buffer plus one segmented sum (a fixed handful of ops whatever the number of
+            tensors) instead of a dot per tensor. Default: on CUDA, where every op is a launch
+            and the recording machinery is launch-bound (docs/gpu.md); a CPU keeps the per-tensor
+            dots, which only read their inputs and need no scratch memory.
     """
 
     def __init__(self, params: list[torch.Tensor], direction: str = "ema", ema_beta: float = 0.98,
-                 history_size: int = 4, scale_beta: float = 0.9, scale_max: float = 4.0):
+                 history_size: int = 4, scale_beta: float = 0.9, scale_max: float = 4.0,
+                 batched_reductions: bool | None = None):
         devices = {p.device for p in params}
         if len(devices) != 1:
             raise ValueError(f"params must all live on one device, got {sorted(map(str, devices))}")
@@ -67,6 +73,9 @@ class DeltaPredictor:
         self._linear: list[torch.Tensor] | None = None
         self._history: list[tuple[torch.Tensor, torch.Tensor]] = []  # int8 codes + block scales, oldest first
         self.scales = torch.zeros(len(params), dtype=torch.float32, device=device)
+        self.batched_reductions = device.type == "cuda" if batched_reductions is None else batched_reductions
+        self._segment_lengths = torch.tensor(self.sizes, dtype=torch.long, device=device)
+        self._scratch_flat: torch.Tensor | None = None  # allocated on first batched reduction
         self.n_updates = 0
         self.n_scale_fits = 0
         self._recording = False
@@ -81,7 +90,7 @@ class DeltaPredictor:
     @torch.no_grad()
     def begin_step(self) -> None:
         """Call right before ``optimizer.step()``."""
-        torch._foreach_copy_(self._before, [p.detach() for p in self.params])
+        torch._foreach_copy_(self._before, self.params)  # no_grad: no detach needed (one host op per tensor on a GPU)
         self._recording = True
 
     @torch.no_grad()
@@ -90,8 +99,7 @@ class DeltaPredictor:
         if not self._recording:
             raise RuntimeError("DeltaPredictor.end_step() without begin_step()")
         self._recording = False
-        torch._foreach_sub_(self._before, [p.detach().float() if p.dtype != torch.float32 else p.detach()
-                                           for p in self.params])
+        torch._foreach_sub_(self._before, [p.float() if p.dtype != torch.float32 else p for p in self.params])
         update = self._before_flat.neg_()  # now u = θ_after − θ_before
         update_views = self._before
 
@@ -123,16 +131,43 @@ class DeltaPredictor:
         before ``begin_step``). None before any update."""
         if self.n_updates == 0 or self._recording:
             return None
-        direction = self.current_direction(refresh=False)
+        direction_flat, direction_views = self.current_direction(refresh=False)
         # Per-tensor dots gathered on the device and read once, not one host read per tensor.
-        dots = torch.stack([torch.dot(g.reshape(-1).float(), d.reshape(-1)) if g is not None else d.new_zeros(())
-                            for g, d in zip(grads, direction[1])])
+        if self.batched_reductions:
+            scratch, scratch_views = self._scratch()
+            present = [(view, g) for view, g in zip(scratch_views, grads) if g is not None]
+            if len(present) < len(grads):
+                scratch.zero_()  # a parameter without a gradient contributes nothing
+            if present:
+                torch._foreach_copy_([view for view, _ in present], [g for _, g in present])
+            dots = self._segment_dots(scratch, direction_flat)
+        else:
+            dots = torch.stack([torch.dot(g.reshape(-1).float(), d.reshape(-1)) if g is not None else d.new_zeros(())
+                                for g, d in zip(grads, direction_views)])
         return -float(torch.dot(self.scales, dots))
 
+    def _scratch(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        if self._scratch_flat is None:
+            self._scratch_flat = torch.empty_like(self._ema_flat)
+            self._scratch_views = self._views(self._scratch_flat)
+        return self._scratch_flat, self._scratch_views
+
+    def _segment_dots(self, a_flat: torch.Tensor, b_flat: torch.Tensor) -> torch.Tensor:
+        """Per-parameter ``<a_i, b_i>`` of two flat fp32 buffers laid out like the parameters
+        ([n_params] fp32), in two ops; overwrites the scratch buffer (``a_flat`` may be it)."""
+        scratch, _ = self._scratch()
+        torch.mul(a_flat, b_flat, out=scratch)
+        return torch.segment_reduce(scratch, "sum", lengths=self._segment_lengths)
+
     def _fit_scales(self, update_views, direction, norm_u: torch.Tensor) -> UpdateStats:
-        _, direction_views = direction
-        dots_ud = torch.stack([torch.dot(u.reshape(-1), d.reshape(-1)) for u, d in zip(update_views, direction_views)])
-        dots_dd = torch.stack([torch.dot(d.reshape(-1), d.reshape(-1)) for d in direction_views])
+        direction_flat, direction_views = direction
+        if self.batched_reductions:
+            dots_ud = self._segment_dots(self._before_flat, direction_flat)  # _before_flat holds u now
+            dots_dd = self._segment_dots(direction_flat, direction_flat)
+        else:
+            dots_ud = torch.stack([torch.dot(u.reshape(-1), d.reshape(-1))
+                                   for u, d in zip(update_views, direction_views)])
+            dots_dd = torch.stack([torch.dot(d.reshape(-1), d.reshape(-1)) for d in direction_views])
         fits = torch.where(dots_dd > 0, dots_ud / dots_dd.clamp_min(1e-30), torch.zeros_like(dots_dd))
         fits = fits.clamp_(0.0, self.scale_max)
         if self.n_scale_fits == 0:

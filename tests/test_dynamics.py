@@ -69,3 +69,14 @@ def test_state_round_trip_gives_identical_forecasts():
             m.observe(state(t), trajectory(t))
             m.train_step()
     assert torch.equal(a.forecast(score=False)["mean"], b.forecast(score=False)["mean"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_forecast_on_a_gpu_comes_back_on_the_host_in_one_piece():
+    """Its consumers are host logic: a forecast left on the GPU cost one device wait per float()."""
+    model = DynamicsModel(hidden=16, ensemble=2, horizon=4, window=2, batch=4, seed=1, device=torch.device("cuda"))
+    for t in range(12):
+        model.observe(state(t).cuda(), trajectory(t))
+    fc = model.forecast()
+    assert {t.device.type for t in fc.values()} == {"cpu"}
+    assert fc["mean"].dtype == torch.float64 and fc["mean"].shape == (4,)

@@ -212,7 +212,7 @@ def test_inference_call_builds_no_graph():
 def test_host_work_per_call_is_allocations_only():
     """At small shapes a GPU call's time is its host work (docs/gpu.md): forward and backward
     issue nothing but their output allocations (no slicing of the statistics, no copies)."""
-    from _host_ops import HostOps
+    from bench.host_ops import HostOps
 
     q, k, v = _inputs(1, 2, 1, 32, 32, 16, F16)
     out = flash_attention(q, k, v, causal=True)

@@ -141,7 +141,7 @@ def test_big_single_group_equals_eager_on_both_paths(max_fused_partials, poison,
 def test_host_work_per_call_is_allocations_only(granularity, shape, device):
     """Each torch op here is a launch or an allocator call on a GPU, where small calls are
     host-bound: one big group's maxima are reduced inside the codes kernel, not by torch ops."""
-    from _host_ops import HostOps
+    from bench.host_ops import HostOps
 
     x = torch.randn(shape, device=device)
     hk.quantize_int8(x, granularity)

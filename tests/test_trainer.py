@@ -491,14 +491,16 @@ def test_linear_direction_is_the_least_squares_slope_of_recorded_updates():
 
 
 
-def test_recorded_update_statistics_and_predicted_gain_match_a_float64_reference():
+@pytest.mark.parametrize("batched", [False, True])  # per-tensor dots (CPU default), segmented sums (CUDA default)
+def test_recorded_update_statistics_and_predicted_gain_match_a_float64_reference(batched):
     """end_step's norm, cosine and scale fits and predicted_gain are read from the device once
     each; their values must still be the per-tensor definitions."""
     from hybrid_trainer.predictor import DeltaPredictor
 
     gen = torch.Generator().manual_seed(0)
-    params = [torch.zeros(30, 7), torch.zeros(7), torch.zeros(5, 3)]
-    predictor = DeltaPredictor(params, direction="ema", ema_beta=0.5, scale_beta=0.9, scale_max=4.0)
+    params = [torch.zeros(30, 7), torch.zeros(7), torch.zeros(0), torch.zeros(5, 3)]
+    predictor = DeltaPredictor(params, direction="ema", ema_beta=0.5, scale_beta=0.9, scale_max=4.0,
+                               batched_reductions=batched)
     ema = None
     scales = None
     for k in range(3):
@@ -515,7 +517,7 @@ def test_recorded_update_statistics_and_predicted_gain_match_a_float64_reference
             continue
         flat_d = torch.cat([d.reshape(-1) for d in ema])
         assert stats.cosine == pytest.approx(float(flat_u @ flat_d / (flat_u.norm() * flat_d.norm())), rel=1e-5)
-        fits = [float((u.double() * d).sum() / (d * d).sum()) for u, d in zip(updates, ema)]
+        fits = [float((u.double() * d).sum() / (d * d).sum()) if d.numel() else 0.0 for u, d in zip(updates, ema)]
         fits = [min(max(f, 0.0), 4.0) for f in fits]
         scales = fits if scales is None else [0.9 * s + 0.1 * f for s, f in zip(scales, fits)]
         assert predictor.scales.tolist() == pytest.approx(scales, rel=1e-5)
@@ -524,6 +526,29 @@ def test_recorded_update_statistics_and_predicted_gain_match_a_float64_reference
     grads[1] = None  # a parameter without a gradient contributes nothing
     expected = -sum(s * float((g.double() * d).sum()) for g, d, s in zip(grads, ema, scales) if g is not None)
     assert predictor.predicted_gain(grads) == pytest.approx(expected, rel=1e-5)
+
+
+def test_batched_reductions_cost_the_same_few_host_ops_for_any_number_of_tensors():
+    """On a GPU each op is a launch: with batched reductions a recorded step's statistics and
+    the predicted gain must not grow with the parameter count (they did by ~10 ops per tensor)."""
+    from bench.host_ops import HostOps
+    from hybrid_trainer.predictor import DeltaPredictor
+
+    counts = {}
+    for n_tensors in (3, 30):
+        params = [torch.zeros(8) for _ in range(n_tensors)]
+        predictor = DeltaPredictor(params, batched_reductions=True)
+        ops = []
+        grads = [torch.ones(8) for _ in params]
+        for k in range(3):
+            predictor.begin_step()
+            torch._foreach_add_(params, 0.01 * (k + 1))
+            with HostOps() as host:
+                predictor.end_step()
+                predictor.predicted_gain(grads)
+            ops.append(len(host.ops))
+        counts[n_tensors] = ops[-1]
+    assert counts[3] == counts[30] <= 40, counts
 
 def test_an_error_mid_predict_leaves_only_verified_weights(stream):
     trainer = make_trainer(**ALWAYS, predict_lengths=(8,), verify_every=8)

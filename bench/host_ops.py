@@ -1,0 +1,148 @@
+"""How many torch ops does a training step issue on the host, and which part issues them?
+
+    python -m bench.host_ops [--tasks fashion charlm] [--steps 20] [--out docs/results]
+
+On a GPU every op is a kernel launch or an allocator call, and for small models those, not the
+kernels, set the step time: the H100 runs in docs/gpu.md measured 10-15 µs of host time per op,
+and the trainer's recording machinery at 0.4-0.6 of a core step. Op counts are the same on any
+device, so this benchmark counts them on the CPU (a proxy for launches; no GPU needed) for the
+plain AdamW loop and for HybridTrainer with prediction off, with it on and the per-tensor
+reductions of the CPU path, and with it on and the batched reductions of the CUDA path. The
+optimizer is AdamW with ``foreach=True``, the implementation a GPU uses (one op per foreach call).
+Ops issued inside the Triton interpreter (the test suite's CPU kernels) are not counted.
+
+Each arm warms up for ``--warmup`` steps, then counts the ops of each of ``--steps`` steps and
+attributes them to the innermost ``hybrid_trainer`` function on the stack: inside the trainer the
+model's forward counts under ``_loss`` and the optimizer under ``_real_step``; the plain loop's
+ops are all "model + optimizer". Writes ``<out>/host_ops.{json,md}``.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime as dt
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+def _caller(frame, package: str) -> str | None:
+    """``file:function`` of the innermost frame in ``package``; "interpreter" for Triton's interpreter."""
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if "triton" in name and "interpreter" in name:
+            return "interpreter"
+        if f"/{package}/" in name:
+            return f"{name.rsplit('/', 1)[-1]}:{frame.f_code.co_name}"
+        frame = frame.f_back
+    return None
+
+
+class HostOps(TorchDispatchMode):
+    """Context manager recording the aten ops issued inside it, outside the Triton interpreter.
+
+    ``.ops``: op names in order. ``.by_caller``: counts per innermost ``hybrid_trainer``
+    function (None: anything else, e.g. the model's forward or the optimizer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+        self.by_caller: collections.Counter[str | None] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        caller = _caller(sys._getframe(1), "hybrid_trainer")
+        if caller != "interpreter":
+            self.ops.append(func.overloadpacket.__name__)
+            self.by_caller[caller] += 1
+        return func(*args, **(kwargs or {}))
+
+
+ARMS = ("AdamW loop", "HybridTrainer predict=False", "HybridTrainer, per-tensor reductions",
+        "HybridTrainer, batched reductions")
+
+
+def count_arm(task, arm: str, warmup: int, steps: int, lr: float) -> dict:
+    """Ops per step of one arm: median, max, and the mean per caller over the counted steps."""
+    from hybrid_trainer import HybridTrainer
+
+    from .e2e import preset_config
+
+    model = task.make_model(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, foreach=True)
+    trainer = None
+    if arm != ARMS[0]:
+        trainer = HybridTrainer(model, optimizer, task.loss_fn, preset_config("no-predict" if arm == ARMS[1] else "default"))
+        trainer.predictor.batched_reductions = arm == ARMS[3]
+    stream = task.batches(0)
+
+    def step(batch):
+        if trainer is None:
+            optimizer.zero_grad(set_to_none=True)
+            task.loss_fn(model, batch).backward()
+            optimizer.step()
+        else:
+            trainer.step(batch)
+
+    for _ in range(warmup):
+        step(next(stream))
+    per_step, callers, phases = [], collections.Counter(), collections.Counter()
+    for _ in range(steps):
+        batch = next(stream)
+        if trainer is not None:
+            phases[trainer.controller.phase.value] += 1
+        with HostOps() as host:
+            step(batch)
+        per_step.append(len(host.ops))
+        callers.update({(k or "model + optimizer"): v for k, v in host.by_caller.items()})
+    return dict(median=statistics.median(per_step), max=max(per_step), min=min(per_step),
+                per_caller={k: v / steps for k, v in callers.most_common()}, phases=dict(phases),
+                parameter_tensors=len(list(model.parameters())),
+                prediction_enabled=None if trainer is None else trainer.controller.prediction_enabled)
+
+
+def markdown(results: dict) -> str:
+    lines = [f"Host ops per training step, `{results['command']}` ({results['date']}, torch {results['torch']}, "
+             "CPU; every op is a launch or an allocator call on a GPU).", ""]
+    for task, arms in results["tasks"].items():
+        first = next(iter(arms.values()))
+        lines += [f"### {task} ({first['parameter_tensors']} parameter tensors)", "",
+                  "| arm | ops per step (median) | min–max | top callers (mean ops per step) |", "|---|---|---|---|"]
+        for arm, r in arms.items():
+            top = ", ".join(f"{k} {v:.0f}" for k, v in list(r["per_caller"].items())[:4])
+            lines.append(f"| {arm} | {r['median']:.0f} | {r['min']}–{r['max']} | {top} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .tasks import get_task
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", nargs="+", default=["fashion", "charlm"], choices=["fashion", "charlm", "digits"])
+    parser.add_argument("--warmup", type=int, default=25, help="steps before counting (past WARMUP into FULL)")
+    parser.add_argument("--steps", type=int, default=20, help="steps counted per arm")
+    parser.add_argument("--quick", action="store_true", help="the tasks' quick sizes (tests)")
+    parser.add_argument("--out", type=Path, default=Path("docs/results"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    command = "python -m bench.host_ops " + " ".join(sys.argv[1:] if argv is None else argv)
+    results = dict(command=command.strip(), date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                   torch=torch.__version__, tasks={})
+    for name in args.tasks:
+        task = get_task(name, quick=args.quick)
+        lr = task.lr_grid[len(task.lr_grid) // 2]
+        results["tasks"][name] = {arm: count_arm(task, arm, args.warmup, args.steps, lr) for arm in ARMS}
+        print(markdown(dict(results, tasks={name: results["tasks"][name]})), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "host_ops.json").write_text(json.dumps(results, indent=1))
+    (args.out / "host_ops.md").write_text(markdown(results))
+    print(f"wrote {args.out}/host_ops.json and .md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

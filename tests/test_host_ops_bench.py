@@ -1,0 +1,25 @@
+"""bench.host_ops: counts what it claims, and the batched reductions stay flat in the tensor count."""
+import json
+
+import torch
+
+from bench import host_ops
+from bench.host_ops import HostOps
+
+
+def test_counts_each_op_and_attributes_it_to_its_caller():
+    x = torch.randn(4)
+    with HostOps() as host:
+        torch.mul(x, 2).sum()
+    assert host.ops == ["mul", "sum"] and host.by_caller == {None: 2}
+
+
+def test_quick_run_writes_every_arm_and_recording_with_batched_reductions_costs_fewer_ops(tmp_path):
+    assert host_ops.main(["--tasks", "digits", "--quick", "--warmup", "22", "--steps", "3", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "host_ops.json").read_text())
+    arms = result["tasks"]["digits"]
+    assert list(arms) == list(host_ops.ARMS)
+    plain, no_predict, per_tensor, batched = (arms[a]["median"] for a in host_ops.ARMS)
+    assert plain < no_predict < batched < per_tensor
+    assert arms[host_ops.ARMS[2]]["phases"].get("FULL", 0) >= 1  # counted real steps that record
+    assert "| HybridTrainer, batched reductions |" in (tmp_path / "host_ops.md").read_text()
