@@ -7,7 +7,7 @@ import torch
 
 import hybrid_kernels as hk
 
-from .conftest import sync
+from .conftest import sync, timed
 from .shapes import MODELS, numel
 
 
@@ -46,7 +46,7 @@ def test_apply_float_delta(benchmark, device, model, impl):
         fn(params, deltas)
         sync()
 
-    benchmark(run)
+    timed(benchmark, run)
 
 
 @pytest.mark.parametrize("model", list(MODELS))
@@ -78,4 +78,4 @@ def test_apply_int8_delta(benchmark, device, model, impl):
                 p.add_(hk.dequantize_int8(q, s, "row"), alpha=1e-3)
             sync()
 
-    benchmark(run)
+    timed(benchmark, run)
