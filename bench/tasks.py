@@ -17,6 +17,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -27,7 +28,9 @@ from torch import nn
 
 import hybrid_kernels as hk
 
-FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
+# Debian's dataset-fashion-mnist location; FASHION_MNIST_DIR points elsewhere (a lent machine
+# without root or network gets the four .gz files copied next to the code).
+FASHION_DIR = Path(os.environ.get("FASHION_MNIST_DIR", "/usr/share/datasets/fashion-mnist"))
 
 
 @dataclass
