@@ -85,7 +85,7 @@ class ArmRun:
 
     def __post_init__(self):
         self.model = self.task.make_model(self.seed)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.spec.lr)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.spec.lr, **ADAMW_OPTIONS)
         self.stream = self.task.batches(self.seed)
         self.trainer = (HybridTrainer(self.model, self.optimizer, self.task.loss_fn, self.spec.config)
                         if self.spec.hybrid else None)
@@ -265,6 +265,11 @@ def sweep_lr(task: Task, seed: int, lrs: list[float] | None = None, average: boo
     best = min(lrs, key=lambda lr: finals[f"{lr:g}"])
     return best, finals
 
+
+# Extra AdamW arguments for every arm and sweep (``--fused-adamw``: {"fused": True}). A fused
+# optimizer lets the trainer launch its update before reading its guard's values (the update is
+# skipped on the device when they are not finite), which a GPU step otherwise waits for.
+ADAMW_OPTIONS: dict[str, object] = {}
 
 PRESETS = ("default", "conservative", "aggressive", "no-predict", "weight-average", "forced")
 # Prediction at every phase decision, whatever it is worth, and never switched off: what the
@@ -455,8 +460,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where models, data and validation live (cuda: results named *_cuda)")
+    parser.add_argument("--fused-adamw", action="store_true",
+                        help="AdamW(fused=True) in every arm (results named *_fused)")
     parser.add_argument("--out", type=Path, default=Path("docs/results"))
     args = parser.parse_args(argv)
+    if args.fused_adamw:
+        ADAMW_OPTIONS["fused"] = True
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error(f"argument --device: cuda asked for, but torch {torch.__version__} sees no CUDA GPU "
                      "(torch.cuda.is_available() is False)")
@@ -470,13 +479,14 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m bench.e2e" + (" --quick" if args.quick else "") + (
         f" --tasks {' '.join(args.tasks)}" if args.tasks else "") + (f" --seeds {args.seeds}" if args.seeds != 3 else "") + (
         f" --presets {' '.join(args.presets)}" if args.presets else "") + (
-        f" --device {args.device}" if args.device != "cpu" else "")
+        f" --device {args.device}" if args.device != "cpu" else "") + (" --fused-adamw" if args.fused_adamw else "")
     meta = dict(command=command, date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                 device=f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores"
                 if args.device == "cpu" else torch.cuda.get_device_name(0),
                 torch=torch.__version__, threads=torch.get_num_threads(), python=platform.python_version())
     results = []
-    suffix = ("_quick" if args.quick else "") + ("_cuda" if args.device == "cuda" else "")
+    suffix = ("_quick" if args.quick else "") + ("_cuda" if args.device == "cuda" else "") + (
+        "_fused" if args.fused_adamw else "")
     for name in tasks:
         result = benchmark_task(name, args.quick, args.seeds, presets, args.device)
         result["meta"] = meta

@@ -186,6 +186,7 @@ class HybridTrainer:
         self._last_verified_loss: float | None = None
         self._last_verified_single_batch = False
         self._unverified_steps = 0
+        self._host_values: torch.Tensor | None = None  # pinned landing place of the guard's read (CUDA)
 
     # ================================================================================ step ====
     def step(self, batch: Any) -> StepResult:
@@ -306,7 +307,14 @@ class HybridTrainer:
         lr = float(self.optimizer.param_groups[0]["lr"])
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        total, grad_norm = self._loss_and_grad_norm(loss_sum)
+        norm = self._grad_norm()
+        # The guard's read waits for the device; with a skip on the device it can wait while the
+        # optimizer step runs (see _guarded_on_device) instead of before it is launched.
+        overlapped = self._guarded_on_device(record)
+        if overlapped:
+            total, grad_norm = self._step_then_read(loss_sum, norm)
+        else:
+            total, grad_norm = self._read_loss_and_norm(loss_sum, norm)
         if self.scaler is not None and grad_norm is not None and not math.isfinite(grad_norm):
             grad_for_check = None  # fp16 overflow: the GradScaler skips this step by itself
         else:
@@ -323,7 +331,7 @@ class HybridTrainer:
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
-        else:
+        elif not overlapped:
             self.optimizer.step()
         self.stats.optimizer_steps += 1
         if self.weight_average is not None:
@@ -357,16 +365,58 @@ class HybridTrainer:
         return StepResult(step=self.step_count, phase=phase.value, loss=total, backward_done=True,
                           divergence=report.severity.name, grad_norm=grad_norm, lr=lr)
 
-    def _loss_and_grad_norm(self, loss: torch.Tensor) -> tuple[float, float | None]:
-        """The step's loss and global gradient norm (after clipping's measurement, when
-        ``grad_clip`` is set) as floats, read from the device together: on a GPU each host read
-        waits for all queued work, which the plain loop never does. The norm is None when the
-        loss is not finite (the update is refused on the loss alone)."""
-        grads = [p.grad for p in self.params if p.grad is not None]
+    def _grad_norm(self) -> torch.Tensor | None:
+        """Global gradient norm as a 0-d device tensor (before clipping, which it applies when
+        ``grad_clip`` is set); None without gradients."""
         if self.config.grad_clip is None:  # measure only: clip_grad_norm_(inf) would also rescale every grad by 1
-            norm = grad_norm_tensor(grads)
+            return grad_norm_tensor([p.grad for p in self.params if p.grad is not None])
+        return torch.nn.utils.clip_grad_norm_(self.params, self.config.grad_clip)
+
+    def _guarded_on_device(self, record: bool) -> bool:
+        """Whether this step launches its optimizer step before reading the guard's values.
+
+        A fused optimizer (``fused=True``: torch's Adam, AdamW, SGD) skips its update on the
+        device when told the gradients are not finite (the ``found_inf`` GradScaler uses), so a
+        non-finite step is refused without the host having looked; a finite step the monitor
+        refuses (a spike) restores the last good state, which overwrites the update either way.
+        Not while recording (the predictor brackets the step and needs the read first), under
+        a GradScaler (it has its own skip), or before a good state exists (nothing to restore).
+        """
+        return (not record and self.scaler is None and self.good_state.is_set
+                and getattr(self.optimizer, "_step_supports_amp_scaling", False))
+
+    def _step_then_read(self, loss: torch.Tensor, norm: torch.Tensor | None) -> tuple[float, float | None]:
+        """Queue the loss and norm's copy to the host, launch the optimizer step with a
+        device-side skip for non-finite values, then wait for the copy only: on a GPU the host
+        runs the monitor while the device runs the update, where the plain guard left the device
+        idle until the host had read, checked and launched."""
+        values = torch.stack([loss.float(), (norm if norm is not None else torch.zeros_like(loss)).float()])
+        non_finite = (~torch.isfinite(values).all()).float()
+        if values.device.type == "cuda":
+            if self._host_values is None:  # pinned, so the copy is asynchronous; reused every step
+                self._host_values = torch.empty(2, dtype=torch.float32, pin_memory=True)
+            host = self._host_values
+            host.copy_(values, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
         else:
-            norm = torch.nn.utils.clip_grad_norm_(self.params, self.config.grad_clip)
+            host, copied = values, None
+        self.optimizer.found_inf = non_finite
+        try:
+            self.optimizer.step()
+        finally:
+            del self.optimizer.found_inf
+        if copied is not None:
+            copied.synchronize()
+        total, grad_norm = host.tolist()
+        if norm is None:
+            grad_norm = 0.0
+        return total, (grad_norm if math.isfinite(total) else None)
+
+    def _read_loss_and_norm(self, loss: torch.Tensor, norm: torch.Tensor | None) -> tuple[float, float | None]:
+        """The step's loss and global gradient norm as floats, read from the device together:
+        on a GPU each host read waits for all queued work, which the plain loop never does. The
+        norm is None when the loss is not finite (the update is refused on the loss alone)."""
         if norm is None:
             total, grad_norm = loss.item(), 0.0
         elif _reads_are_free(loss.device) and _reads_are_free(norm.device):

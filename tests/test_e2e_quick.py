@@ -42,6 +42,19 @@ def test_quick_digits_writes_json_table_and_plot(tmp_path):
     assert (tmp_path / "e2e_digits_quick.png").stat().st_size > 5000
 
 
+def test_fused_adamw_arms_and_the_trainer_steps_like_the_plain_fused_loop(tmp_path, monkeypatch):
+    # The trainer launches a fused optimizer's update before its guard reads (skipped on the
+    # device when non-finite): with predict=False its weights must still be the plain loop's.
+    monkeypatch.setattr(e2e, "ADAMW_OPTIONS", {})  # main() sets fused=True in it
+    assert e2e.main(["--quick", "--tasks", "digits", "--seeds", "1", "--presets", "no-predict",
+                     "--fused-adamw", "--out", str(tmp_path)]) == 0
+    assert e2e.ADAMW_OPTIONS == {"fused": True}
+    result = json.loads((tmp_path / "e2e_digits_quick_fused.json").read_text())
+    assert result["meta"]["command"].endswith("--fused-adamw")
+    plain, trainer = result["arms"]["AdamW (tuned lr)"]["seeds"][0], result["arms"]["HybridTrainer (no-predict)"]["seeds"][0]
+    assert [p["val_loss"] for p in trainer["curve"]][: len(plain["curve"])] == [p["val_loss"] for p in plain["curve"]]
+
+
 def test_first_crossing_interpolates_in_time():
     curve = [dict(step=0, time=0.0, val_loss=2.0, backward=0, forward=0),
              dict(step=10, time=1.0, val_loss=1.0, backward=10, forward=10)]

@@ -28,6 +28,8 @@ def make_trainer(seed=0, lr=0.05, opt="adamw", device="cpu", **overrides):
     model = mlp(seed).to(device)
     if opt == "adamw":
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    elif opt == "adamw-fused":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     config = HybridConfig(**{**FAST, **overrides})
@@ -466,6 +468,50 @@ def test_a_queueing_device_gets_one_host_read_per_real_step(stream, monkeypatch)
     assert [(r.loss, r.grad_norm) for r in results] == [(r.loss, r.grad_norm) for r in reference]
     for p, q in zip(merged.params, plain.params):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA: pinned copy and event path"))])
+def test_fused_optimizer_steps_before_the_read_and_refuses_exactly_as_the_plain_guard(stream, device):
+    """With a fused optimizer the guard launches the update with a device-side skip before it
+    reads (on a GPU the host then checks while the device updates). Through a NaN step and a
+    loss spike, weights, optimizer state and reports equal the read-first guard's bit for bit."""
+    def run(overlap: bool):
+        trainer = make_trainer(opt="adamw-fused", device=device, predict=False, good_state_every=5,
+                               divergence={"min_history": 5})
+        if not overlap:
+            trainer._guarded_on_device = lambda record: False
+        calls = {"n": 0, "overlapped": 0}
+        step_then_read = trainer._step_then_read
+
+        def counted(*args):
+            calls["overlapped"] += 1
+            return step_then_read(*args)
+
+        trainer._step_then_read = counted
+
+        def loss_fn(model, batch):
+            calls["n"] += 1
+            loss = cross_entropy(model, batch)
+            return loss * float("nan") if calls["n"] == 12 else loss * 50.0 if calls["n"] == 20 else loss
+
+        trainer.loss_fn = loss_fn
+        results = [trainer.step((x.to(device), y.to(device))) for x, y in stream[:30]]
+        return trainer, results, calls["overlapped"]
+
+    overlapped, results, n_overlapped = run(True)
+    plain, reference, n_plain = run(False)
+    assert n_plain == 0 and n_overlapped == 29  # every step once the first good state exists
+    assert results[11].skipped and not results[11].rolled_back  # NaN: refused, nothing to restore
+    assert results[19].skipped and results[19].rolled_back  # spike: back to the last good state
+    summary = [(r.loss, r.grad_norm, r.skipped, r.rolled_back, r.divergence) for r in results]
+    assert summary == [(r.loss, r.grad_norm, r.skipped, r.rolled_back, r.divergence) for r in reference]
+    for p, q in zip(overlapped.params, plain.params):
+        assert torch.equal(p, q)
+    for p, q in zip(overlapped.params, plain.params):
+        a, b = overlapped.optimizer.state[p], plain.optimizer.state[q]
+        assert all(torch.equal(a[k], b[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+    assert not hasattr(overlapped.optimizer, "found_inf")  # GradScaler's protocol left as found
 
 
 def test_linear_direction_is_the_least_squares_slope_of_recorded_updates():
