@@ -390,7 +390,8 @@ class HybridTrainer:
         device-side skip for non-finite values, then wait for the copy only: on a GPU the host
         runs the monitor while the device runs the update, where the plain guard left the device
         idle until the host had read, checked and launched."""
-        values = torch.stack([loss.float(), (norm if norm is not None else torch.zeros_like(loss)).float()])
+        values = torch.stack([loss.float(), torch.zeros_like(loss, dtype=torch.float32) if norm is None
+                              else norm.to(loss.device, torch.float32)])
         non_finite = (~torch.isfinite(values).all()).float()
         if values.device.type == "cuda":
             if self._host_values is None:  # pinned, so the copy is asynchronous; reused every step
