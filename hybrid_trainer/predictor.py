@@ -15,6 +15,7 @@ updates are one tensor op and ``apply_delta_`` sees contiguous deltas.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -23,6 +24,9 @@ import torch
 import hybrid_kernels as hk
 
 _HISTORY_BLOCK = 256  # int8 block size of the stored updates
+# Largest parameter tensor (elements) for which batched reductions are the CUDA default: a 4 MB
+# segment is read by one thread block in tens of µs, about what the per-tensor launches cost.
+BATCHED_MAX_TENSOR = 1 << 20
 
 
 @dataclass
@@ -45,9 +49,12 @@ class DeltaPredictor:
         scale_max: upper clamp of a scale.
         batched_reductions: compute the per-tensor dot products as one elementwise pass into a
             scratch buffer plus one segmented sum (a fixed handful of ops whatever the number of
-            tensors) instead of a dot per tensor. Default: on CUDA, where every op is a launch
-            and the recording machinery is launch-bound (docs/gpu.md); a CPU keeps the per-tensor
-            dots, which only read their inputs and need no scratch memory.
+            tensors) instead of a dot per tensor. Default: on CUDA when no parameter tensor
+            exceeds ``BATCHED_MAX_TENSOR`` elements. There every op is a launch and the recording
+            machinery is launch-bound (docs/gpu.md); but the segmented sum (CUB's) reduces each
+            tensor with one thread block, so one huge tensor would take one SM's bandwidth where
+            a dot takes the whole GPU's. A CPU keeps the per-tensor dots: they only read their
+            inputs and need no scratch buffer, and a CPU pays no launch latency.
     """
 
     def __init__(self, params: list[torch.Tensor], direction: str = "ema", ema_beta: float = 0.98,
@@ -73,8 +80,11 @@ class DeltaPredictor:
         self._linear: list[torch.Tensor] | None = None
         self._history: list[tuple[torch.Tensor, torch.Tensor]] = []  # int8 codes + block scales, oldest first
         self.scales = torch.zeros(len(params), dtype=torch.float32, device=device)
-        self.batched_reductions = device.type == "cuda" if batched_reductions is None else batched_reductions
-        self._segment_lengths = torch.tensor(self.sizes, dtype=torch.long, device=device)
+        if batched_reductions is None:
+            batched_reductions = device.type == "cuda" and max(self.sizes, default=0) <= BATCHED_MAX_TENSOR
+        self.batched_reductions = batched_reductions
+        # Offsets, not lengths: segment_reduce would turn lengths into offsets (a cumsum) every call.
+        self._segment_offsets = torch.tensor([0, *itertools.accumulate(self.sizes)], dtype=torch.long, device=device)
         self._scratch_flat: torch.Tensor | None = None  # allocated on first batched reduction
         self.n_updates = 0
         self.n_scale_fits = 0
@@ -157,7 +167,7 @@ class DeltaPredictor:
         ([n_params] fp32), in two ops; overwrites the scratch buffer (``a_flat`` may be it)."""
         scratch, _ = self._scratch()
         torch.mul(a_flat, b_flat, out=scratch)
-        return torch.segment_reduce(scratch, "sum", lengths=self._segment_lengths)
+        return torch.segment_reduce(scratch, "sum", offsets=self._segment_offsets)
 
     def _fit_scales(self, update_views, direction, norm_u: torch.Tensor) -> UpdateStats:
         direction_flat, direction_views = direction
