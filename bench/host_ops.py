@@ -3,8 +3,8 @@
     python -m bench.host_ops [--tasks fashion charlm] [--steps 20] [--out docs/results]
 
 On a GPU every op is a kernel launch or an allocator call, and for small models those, not the
-kernels, set the step time: the H100 runs in docs/gpu.md measured 10-15 µs of host time per op,
-and the trainer's recording machinery at 0.4-0.6 of a core step. Op counts are the same on any
+kernels, set the step time: on the H100 (docs/gpu.md) the trainer's recording machinery cost
+0.4-0.6 of a core step, and a bare Triton launch from Python 41-53 µs. Op counts are the same on any
 device, so this benchmark counts them on the CPU (a proxy for launches; no GPU needed) for the
 plain AdamW loop and for HybridTrainer with prediction off, with it on and the per-tensor
 reductions of the CPU path, and with it on and the batched reductions of the CUDA path. The
