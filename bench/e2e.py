@@ -41,7 +41,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from tqdm import tqdm
@@ -296,6 +296,21 @@ def preset_config(name: str) -> HybridConfig:
     if name in PRESETS:
         return getattr(HybridConfig, name)()
     raise ValueError(f"--presets: each must be one of {PRESETS}, got {name!r}")
+
+
+def training_step(task: Task, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                  trainer: HybridTrainer | None) -> Callable[[Any], None]:
+    """One training step on a batch: ``trainer.step``, or the plain loop's zero_grad, backward and
+    optimizer step when ``trainer`` is None (the diagnosis benchmarks time both the same way)."""
+    if trainer is not None:
+        return trainer.step
+
+    def plain(batch) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        task.loss_fn(model, batch).backward()
+        optimizer.step()
+
+    return plain
 
 
 WARM_UP_STEPS = 150  # past the trainer's first phase decisions (step 80), so every kernel it uses has run

@@ -69,7 +69,7 @@ def count_arm(task, arm: str, warmup: int, steps: int, lr: float) -> dict:
     """Ops per step of one arm: median, max, and the mean per caller over the counted steps."""
     from hybrid_trainer import HybridTrainer
 
-    from .e2e import preset_config
+    from .e2e import preset_config, training_step
 
     model = task.make_model(0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, foreach=True)
@@ -78,15 +78,7 @@ def count_arm(task, arm: str, warmup: int, steps: int, lr: float) -> dict:
         trainer = HybridTrainer(model, optimizer, task.loss_fn, preset_config("no-predict" if arm == ARMS[1] else "default"))
         trainer.predictor.batched_reductions = arm == ARMS[3]
     stream = task.batches(0)
-
-    def step(batch):
-        if trainer is None:
-            optimizer.zero_grad(set_to_none=True)
-            task.loss_fn(model, batch).backward()
-            optimizer.step()
-        else:
-            trainer.step(batch)
-
+    step = training_step(task, model, optimizer, trainer)
     for _ in range(warmup):
         step(next(stream))
     per_step, callers, phases = [], collections.Counter(), collections.Counter()

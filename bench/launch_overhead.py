@@ -127,7 +127,7 @@ def quantize_rows() -> dict[str, dict[str, float]]:
 def trainer_step_ms(fused: bool) -> dict[str, float]:
     from hybrid_trainer import HybridTrainer
 
-    from .e2e import preset_config
+    from .e2e import preset_config, training_step
     from .tasks import get_task
 
     task = get_task("fashion", device="cuda")
@@ -138,15 +138,7 @@ def trainer_step_ms(fused: bool) -> dict[str, float]:
         trainer = None if arm == "AdamW loop" else HybridTrainer(model, optimizer, task.loss_fn, preset_config(arm))
         stream = task.batches(0)
         batches = [next(stream) for _ in range(300)]
-
-        def step(batch):
-            if trainer is None:
-                optimizer.zero_grad(set_to_none=True)
-                task.loss_fn(model, batch).backward()
-                optimizer.step()
-            else:
-                trainer.step(batch)
-
+        step = training_step(task, model, optimizer, trainer)
         for batch in batches[:100]:
             step(batch)
         torch.cuda.synchronize()
