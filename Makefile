@@ -60,6 +60,8 @@ bench-nowcast: data
 	$(PY) -m bench.nowcast evaluate --task fashion --seeds 3 --arms floor:0 floor-reset:0 floor-reset:1 average:0 --tag floor_reset --out docs/results
 	$(PY) -m bench.nowcast evaluate --task fashion --seeds 3 --arms dmd:1 dmd:4 --tag dmd --out docs/results
 	$(PY) -m bench.nowcast evaluate --task charlm --seeds 2 --arms floor:0 floor:1 smooth:4 average:0 drift:1 learned:1 --out docs/results
+	$(PY) -m bench.nowcast evaluate --task fashion --seeds 3 --arms secant:1 secant:4 floor:0 average:0 --tag secant --out docs/results
+	$(PY) -m bench.nowcast evaluate --task charlm --seeds 2 --arms secant:1 floor:0 average:0 --tag secant --out docs/results
 	$(PY) -m bench.nowcast dmd --task fashion --out docs/results
 	$(PY) -m bench.nowcast dmd --task charlm --out docs/results
 	$(PY) -m bench.nowcast report --out docs/results

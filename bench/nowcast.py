@@ -42,7 +42,8 @@ from tqdm import tqdm
 
 from hybrid_trainer.averaging import FAST_BETA, SLOW_BETA, lag
 
-from .nowcaster import ASSET, Nowcaster, SnapshotHistory, dmd_nowcast, drift_nowcast, element_features
+from .nowcaster import (ASSET, Nowcaster, SnapshotHistory, dmd_nowcast, drift_nowcast, element_features,
+                        secant_nowcast)
 
 from .tasks import get_task
 
@@ -58,6 +59,8 @@ WARMUP = 50  # real steps before the first jump
 EVAL_EVERY = 25  # validation interval of the jump arms: finer than the tasks' own, to resolve ~1.1x
 DMD_EVERY = 2  # real steps between the snapshots the DMD nowcast fits (20 displacements per jump)
 DMD_RANK = 8  # leading directions of those displacements it keeps
+SECANT_EVERY = 4  # real steps between the secant pairs (averaged weights, Adam's first moment)
+SECANT_RANK = 8  # leading directions of their displacements in which the curvature is fitted
 
 
 # ------------------------------------------------------------------------------ recording ----
@@ -245,7 +248,11 @@ def run_arm(task, lr: float, seed: int, method: str | None, horizon: int, model:
     oscillation); ``floor-reset`` also zeroes Adam's first moment after a kept jump; ``average``
     never jumps but is evaluated at the lag-corrected average (a control); ``dmd`` fits a
     linear map to the displacements of all weights between snapshots every ``DMD_EVERY`` steps
-    since the last jump and sums its powers ``horizon·EVERY`` steps ahead (``dmd_nowcast``)."""
+    since the last jump and sums its powers ``horizon·EVERY`` steps ahead (``dmd_nowcast``);
+    ``secant`` pairs the fast weight average (β 0.9) with Adam's bias-corrected first moment (the
+    same β) every ``SECANT_EVERY`` steps and jumps to the minimum of the quadratic those secants
+    fit in the span of the averages' displacements, the step capped at ``horizon`` times the
+    largest displacement in the window (``secant_nowcast``)."""
     torch.manual_seed(seed)
     net = task.make_model(seed)
     params = [p for p in net.parameters() if p.requires_grad]
@@ -254,7 +261,8 @@ def run_arm(task, lr: float, seed: int, method: str | None, horizon: int, model:
     history = (SnapshotHistory(params, CONTEXT, EVERY) if method in ("drift", "learned") else
                SnapshotHistory(params, CONTEXT * EVERY // DMD_EVERY, DMD_EVERY) if method == "dmd" else None)
     averages = ([[p.detach().clone() for p in params] for _ in AVG_BETAS]
-                if method in ("smooth", "floor", "floor-reset", "average") else None)
+                if method in ("smooth", "floor", "floor-reset", "average", "secant") else None)
+    secants: list[tuple[torch.Tensor, torch.Tensor]] = []  # (θ̄, m̂) pairs, oldest first
     ahead = horizon * EVERY
     curve, jumps, train_time = [], [], 0.0
     for step in range(1, steps + 1):
@@ -264,10 +272,17 @@ def run_arm(task, lr: float, seed: int, method: str | None, horizon: int, model:
         optimizer.step()
         delta = None
         with torch.no_grad():
+            if method == "secant" and step % SECANT_EVERY == 0:
+                # m_t averages gradients taken at θ_0..θ_{t-1}: it pairs with the average before this step's θ.
+                secants = secants[-(CONTEXT * EVERY // SECANT_EVERY):] + [_secant_pair(optimizer, params, averages[0], step)]
             if averages is not None:
                 for beta, avg in zip(AVG_BETAS, averages):
                     torch._foreach_lerp_(avg, [p.detach() for p in params], 1 - beta)
-                if step >= WARMUP and step % (CONTEXT * EVERY) == 0 and method != "average":
+                if step >= WARMUP and step % (CONTEXT * EVERY) == 0 and method == "secant":
+                    points, grads = (torch.stack(column) for column in zip(*secants))
+                    target = points[-1] + secant_nowcast(points, grads, SECANT_RANK, float(horizon))
+                    delta = [t.view_as(p) - p for t, p in zip(target.split([p.numel() for p in params]), params)]
+                elif step >= WARMUP and step % (CONTEXT * EVERY) == 0 and method != "average":
                     delta = _smoothed_delta(averages, params, "smooth" if method == "smooth" else "floor", ahead)
             if history is not None:
                 history.observe_real_step()
@@ -317,6 +332,12 @@ def _smoothed_delta(averages, params, method: str, ahead: int) -> list[torch.Ten
     return delta
 
 
+def _secant_pair(optimizer, params, fast_average, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    beta1 = optimizer.param_groups[0]["betas"][0]
+    moment = torch.cat([optimizer.state[p]["exp_avg"].reshape(-1) for p in params]) / (1 - beta1 ** step)
+    return torch.cat([a.reshape(-1) for a in fast_average]), moment
+
+
 def _crossing(curve: list[dict], target: float) -> dict | None:
     for point in curve:
         if point["val_loss"] <= target:
@@ -332,6 +353,7 @@ def evaluate(task_name: str, seeds: int, out: Path, lr: float | None, arms: list
     for arm in arms:
         method, h = arm.split(":")
         name = ("plain AdamW, evaluated at its lag-corrected weight average" if method == "average"
+                else f"secant step, capped at {h}x the window's largest displacement" if method == "secant"
                 else f"{method} nowcast, {int(h) * EVERY} steps ahead")
         specs.append((name, method, int(h)))
     runs: dict[str, list[dict]] = {name: [] for name, _, _ in specs}
@@ -482,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--lr", type=float, default=None)
     parser.add_argument("--arms", nargs="+", default=[f"{m}:{h}" for m in ("drift", "learned") for h in HORIZONS],
-                        help="method:horizon pairs, method in {drift, learned, dmd, smooth, floor, floor-reset, average}, horizon in snapshot intervals")
+                        help="method:horizon pairs, method in {drift, learned, dmd, smooth, floor, floor-reset, average, secant}, horizon in snapshot intervals")
     parser.add_argument("--out", type=Path, default=Path("docs/results"))
     parser.add_argument("--tag", default=None, help="evaluate: write nowcast_<task>_<tag>.json instead of nowcast_<task>.json")
     args = parser.parse_args(argv)

@@ -12,6 +12,9 @@ it lives with the benchmark as evidence, not in the trainer.
 Rule-based nowcasts share the interface, so the benchmark compares like with like:
 ``drift_nowcast`` (the mean displacement continued for ``h`` intervals) and ``dmd_nowcast``
 (cross-parameter: a low-rank linear map of all weights' displacements, iterated ahead).
+``secant_nowcast`` is not a nowcast of the trajectory but a quasi-Newton step in the span of its
+recent displacements, with the curvature fitted from how the optimizer's smoothed gradient
+changed along them.
 
 Features per element (all dimensionless): ``d_j / s`` for j = 1..k, and
 ``log(s / S)`` where ``S`` is the mean of ``s`` over the element's tensor, which tells a weight
@@ -196,3 +199,51 @@ def dmd_nowcast(disp: torch.Tensor, ahead: int, rank: int = 8) -> torch.Tensor:
     geometric = torch.where(near_one, torch.full_like(lam, ahead),
                             lam * (1 - lam ** ahead) / torch.where(near_one, torch.ones_like(lam), 1 - lam))
     return (basis.T @ (modes @ (geometric * amplitudes)).real).to(disp.dtype)
+
+
+def secant_nowcast(points: torch.Tensor, grads: torch.Tensor, rank: int = 8, max_ratio: float = 2.0) -> torch.Tensor:
+    """Quasi-Newton step in the span of recent displacements, curvature fitted by secants.
+
+    For a quadratic loss with Hessian ``H``, the optimizer's first moment (an EMA of gradients,
+    ``β₁`` = 0.9 for Adam) equals ``H θ̄ + b`` at the EMA of the weights with the same β, up to
+    the smoothed batch noise. So pairs (``θ̄_j``, ``m_j``) taken along the run are secant pairs:
+    with ``P`` the displacements ``θ̄_j − θ̄_now`` and ``Y`` the gradient changes ``m_j − m_now``,
+    ``H`` restricted to the span of ``P`` is fitted by least squares (``Y ≈ H P`` in the
+    ``rank`` leading directions of ``P``, symmetrised), and the step minimises the fitted
+    quadratic there. Directions of curvature below 1e-3 of the largest are left alone (a fit on
+    noise must not send the weights far along a flat or concave direction), and the step is
+    shortened to at most ``max_ratio`` times the largest displacement in the window.
+
+    Args:
+        points: [k+1, N] averaged weights ``θ̄_j``, oldest first, the last the current one (k >= 2).
+        grads: [k+1, N] smoothed gradients ``m_j`` at those points (Adam's bias-corrected first moment).
+        rank: directions of the displacements kept (>= 1).
+        max_ratio: cap on the step's norm, in units of the window's largest displacement (> 0).
+    Returns:
+        [N] step from ``points[-1]``, same dtype as ``points``.
+    """
+    if points.dim() != 2 or points.shape[0] < 3 or grads.shape != points.shape:
+        raise ValueError(f"points and grads must both be [k+1 >= 3, N], got {tuple(points.shape)} and "
+                         f"{tuple(grads.shape)}")
+    if rank < 1 or not max_ratio > 0:
+        raise ValueError(f"rank must be >= 1 and max_ratio > 0, got rank={rank}, max_ratio={max_ratio}")
+    x, g = points.double(), grads.double()
+    disp, dgrad = x[:-1] - x[-1], g[:-1] - g[-1]  # [k, N]
+    # Leading directions from the small Gram matrix (k × k) rather than an SVD of [k, N].
+    evals, evecs = torch.linalg.eigh(disp @ disp.T)
+    evals, evecs = evals.flip(0), evecs.flip(1)
+    keep = int(min(rank, int((evals > evals[0] * 1e-10).sum())))
+    sigma = evals[:keep].clamp_min(0).sqrt()
+    basis = (evecs[:, :keep].T @ disp) / sigma[:, None]  # [r, N] orthonormal rows
+    coords, gcoords = disp @ basis.T, dgrad @ basis.T  # [k, r] each: Y_j = B R_j
+    b = torch.linalg.lstsq(coords, gcoords).solution.T  # [r, r]
+    curvature, axes = torch.linalg.eigh((b + b.T) / 2)
+    along = axes.T @ (basis @ g[-1])  # current smoothed gradient on the curvature axes
+    usable = curvature > 1e-3 * curvature.abs().max()
+    step_coords = torch.where(usable, -along / torch.where(usable, curvature, torch.ones_like(curvature)),
+                              torch.zeros_like(along))
+    step = basis.T @ (axes @ step_coords)
+    limit = max_ratio * disp.norm(dim=1).max()
+    if step.norm() > limit:
+        step *= limit / step.norm()
+    return step.to(points.dtype)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from bench import nowcast
-from bench.nowcaster import Nowcaster, SnapshotHistory, dmd_nowcast, drift_nowcast, element_features
+from bench.nowcaster import Nowcaster, SnapshotHistory, dmd_nowcast, drift_nowcast, element_features, secant_nowcast
 from bench.tasks import get_task
 
 
@@ -139,3 +139,75 @@ def test_dmd_nowcast_clips_growing_modes_instead_of_extrapolating_a_blow_up():
     for bad in (dict(disp=disp[:2], ahead=1), dict(disp=disp, ahead=0), dict(disp=disp[0], ahead=1)):
         with pytest.raises(ValueError):
             dmd_nowcast(**bad)
+
+
+def _quadratic(n: int, concave: bool = False):
+    """Gradient of 0.5 θᵀHθ + bᵀθ with H symmetric (positive definite unless ``concave``)."""
+    gen = torch.Generator().manual_seed(1)
+    q, _ = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=torch.float64))
+    curvature = torch.linspace(0.1, 5.0, n, dtype=torch.float64)
+    if concave:
+        curvature[0] = -1.0
+    h = q @ torch.diag(curvature) @ q.T
+    b = torch.randn(n, generator=gen, dtype=torch.float64)
+    points = torch.randn(n + 1, n, generator=gen, dtype=torch.float64)
+    return h, b, points, points @ h + b, q
+
+
+def test_secant_nowcast_steps_to_the_minimum_of_a_quadratic_its_points_span():
+    h, b, points, grads, _ = _quadratic(6)
+    minimum = -torch.linalg.solve(h, b)
+    step = secant_nowcast(points, grads, rank=6, max_ratio=1e6)
+    torch.testing.assert_close(points[-1] + step, minimum)
+    # Fewer directions than the problem has: the step stays in the span it kept and is not the minimum.
+    partial = secant_nowcast(points, grads, rank=2, max_ratio=1e6)
+    assert not torch.allclose(points[-1] + partial, minimum, atol=1e-2)
+
+
+def test_secant_nowcast_leaves_a_concave_direction_alone_and_caps_the_step():
+    h, b, points, grads, q = _quadratic(6, concave=True)
+    step = secant_nowcast(points, grads, rank=6, max_ratio=1e6)
+    # No movement along the negative-curvature axis (a Newton step there would climb to a maximum).
+    assert abs(float(q[:, 0] @ step)) < 1e-8
+    assert float(q[:, 1:].T @ step @ (q[:, 1:].T @ step)) > 0
+    capped = secant_nowcast(points, grads, rank=6, max_ratio=0.01)
+    largest = (points[:-1] - points[-1]).norm(dim=1).max()
+    torch.testing.assert_close(capped.norm(), 0.01 * largest)
+    torch.testing.assert_close(capped / capped.norm(), step / step.norm())
+
+
+def test_secant_nowcast_rejects_bad_arguments():
+    _, _, points, grads, _ = _quadratic(4)
+    for bad in (dict(points=points[:2], grads=grads[:2]), dict(points=points, grads=grads[:-1]),
+                dict(points=points, grads=grads, rank=0), dict(points=points, grads=grads, max_ratio=0.0)):
+        with pytest.raises(ValueError):
+            secant_nowcast(**bad)
+
+
+def test_secant_pairs_match_the_smoothed_gradient_to_the_average_it_was_taken_at():
+    """On a quadratic, Adam's bias-corrected first moment after step t is the gradient at the fast
+    weight average *before* that step's update (both EMAs with β 0.9 over the same iterates)."""
+    gen = torch.Generator().manual_seed(3)
+    a = torch.randn(5, 5, generator=gen, dtype=torch.float64)
+    h, b = a @ a.T + torch.eye(5, dtype=torch.float64), torch.randn(5, generator=gen, dtype=torch.float64)
+    theta = torch.nn.Parameter(torch.randn(5, generator=gen, dtype=torch.float64))
+    optimizer = torch.optim.AdamW([theta], lr=0.01, weight_decay=0.0, betas=(nowcast.AVG_BETAS[0], 0.999))
+    fast = [theta.detach().clone()]
+    for step in range(1, 301):
+        optimizer.zero_grad()
+        (0.5 * theta @ h @ theta + b @ theta).backward()
+        optimizer.step()
+        with torch.no_grad():
+            point, moment = nowcast._secant_pair(optimizer, [theta], fast, step)
+            torch._foreach_lerp_(fast, [theta.detach()], 1 - nowcast.AVG_BETAS[0])
+    torch.testing.assert_close(moment, h @ point + b)
+    # The average after this step's update is off by the step's share of it: the pairing matters.
+    assert not torch.allclose(moment, h @ fast[0] + b, rtol=1e-4, atol=1e-6)
+
+
+def test_secant_arm_jumps_after_warmup_and_verifies():
+    task = get_task("digits", quick=True)
+    run = nowcast.run_arm(task, 3e-3, 0, "secant", 2, None, steps=120)
+    assert [j["step"] for j in run["jumps"]] == [80, 120]
+    for j in run["jumps"]:
+        assert j["accepted"] == (j["after"] < j["before"])
