@@ -187,6 +187,9 @@ class HybridTrainer:
         self._last_verified_single_batch = False
         self._unverified_steps = 0
         self._host_values: torch.Tensor | None = None  # pinned landing place of the guard's read (CUDA)
+        # Where a read waits for nothing there is nothing to overlap, and the device-side skip's
+        # extra ops cost 0.1 ms of the digits MLP's 0.8 ms CPU step (fused AdamW, predict=False).
+        self._overlap_guard = not _reads_are_free(self.device)
 
     # ================================================================================ step ====
     def step(self, batch: Any) -> StepResult:
@@ -380,9 +383,10 @@ class HybridTrainer:
         non-finite step is refused without the host having looked; a finite step the monitor
         refuses (a spike) restores the last good state, which overwrites the update either way.
         Not while recording (the predictor brackets the step and needs the read first), under
-        a GradScaler (it has its own skip), or before a good state exists (nothing to restore).
+        a GradScaler (it has its own skip), before a good state exists (nothing to restore), or
+        on a CPU (``_overlap_guard``: its reads wait for nothing).
         """
-        return (not record and self.scaler is None and self.good_state.is_set
+        return (self._overlap_guard and not record and self.scaler is None and self.good_state.is_set
                 and getattr(self.optimizer, "_step_supports_amp_scaling", False))
 
     def _step_then_read(self, loss: torch.Tensor, norm: torch.Tensor | None) -> tuple[float, float | None]:

@@ -479,8 +479,8 @@ def test_fused_optimizer_steps_before_the_read_and_refuses_exactly_as_the_plain_
     def run(overlap: bool):
         trainer = make_trainer(opt="adamw-fused", device=device, predict=False, good_state_every=5,
                                divergence={"min_history": 5})
-        if not overlap:
-            trainer._guarded_on_device = lambda record: False
+        assert trainer._overlap_guard == (device == "cuda")  # a CPU read waits for nothing: no overlap there
+        trainer._overlap_guard = overlap  # the CPU runs the overlapped logic too, to check it
         calls = {"n": 0, "overlapped": 0}
         step_then_read = trainer._step_then_read
 
