@@ -1,0 +1,241 @@
+"""The feasibility probe's best recipe, on the benchmark's tasks: scheduled, unverified predicted steps.
+
+    python -m bench.scheduled [--task charlm] [--seeds 3] [--out docs/results]
+
+Before this project started, a probe (``shared/notes/feasibility_report.md``: a char-LM on Python
+source, a model clock instead of wall-clock) found one predicted update that paid a little: the
+EMA (β 0.98–0.99) of the real AdamW updates applied at scale 1, ten times after every fifteen real
+steps, with no loss check (0.92× the tuned loop's time to its target, a predicted step worth
+~0.14 of a real one); a fitted least-squares scale shrank it and lost the gain, and a forward
+check rejected nearly every step. The trainer's worth gate measures a predicted step's
+*first-order* gain on the next batch, which that probe says misses a gain that shows only after
+the following real steps. So this benchmark runs the recipe itself, with the trainer's own
+:class:`hybrid_trainer.predictor.DeltaPredictor` (it records every real update from step
+``RECORD_FROM`` and applies ``scale · EMA`` with one in-place launch), against plain AdamW on the
+same initialisation, batches and rate, and measures wall-clock to the target.
+
+Arms: ``plain``; ``ema β, α 1`` for β in 0.98 / 0.99 (scales fixed at 1); ``ema 0.98, fitted α``
+(the trainer's per-tensor scale); ``…, one pass``: the same EMA at scale 1 recorded through the
+weights' own EMA (:class:`WeightEMA`: one ``lerp_`` per real step instead of the predictor's
+bookkeeping); ``…, evaluated at its weight average``: plain and one-pass validated at the
+trainer's lag-corrected weight average (``hybrid_trainer.averaging``), training from the iterate.
+From step ``FIRST_PREDICT`` on, each ``REAL_BETWEEN`` real steps are followed by ``PREDICTED``
+predicted ones (the probe's F10 k10 C5 cycle). Predicted steps consume no batch and touch no
+optimizer state. The step budget (``task.steps``) counts real
+steps, so the predicted arms take 10/15 more steps in all; time includes them and the recording.
+Target: plain's validation loss at 80% of its steps (mean over seeds), as in ``bench.e2e``.
+Writes ``<out>/scheduled_<task>.json`` and ``.png`` (``scheduled_<task>_<tag>.*`` with ``--tag``).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from hybrid_trainer.averaging import WeightAverage
+from hybrid_trainer.predictor import DeltaPredictor
+
+from .e2e import first_crossing, interpolate, mean_std
+from .tasks import get_task
+
+RECORD_FROM = 50  # real steps before the EMA starts: the first updates are large and fast-changing
+FIRST_PREDICT = 100  # the probe's warm-up on the char-LM
+REAL_BETWEEN, PREDICTED = 15, 10  # the probe's F10 k10 C5: 15 real steps, then 10 predicted
+EVAL_EVERY = 25  # real steps between validations: resolves ~1.05x on a 600-step run
+ARMS = {"plain": None, "ema 0.98, α 1": (0.98, False), "ema 0.99, α 1": (0.99, False),
+        "ema 0.98, fitted α": (0.98, True), "ema 0.98, α 1, one pass": (0.98, "weights"),
+        "ema 0.99, α 1, one pass": (0.99, "weights"), "plain, evaluated at its weight average": None,
+        "ema 0.99, α 1, one pass, evaluated at its weight average": (0.99, "weights")}
+# Validated at the trainer's lag-corrected weight average (hybrid_trainer.averaging), training
+# from the iterate: does extrapolation add to what averaging gives for free?
+AVERAGED = {"plain, evaluated at its weight average", "ema 0.99, α 1, one pass, evaluated at its weight average"}
+
+
+def run(task, arm: str, lr: float, seed: int) -> dict:
+    """One arm, one seed: curve of (real step, seconds, validation loss), predicted steps taken."""
+    model = task.make_model(seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr)
+    stream = task.batches(seed)
+    setting = ARMS[arm]
+    one_pass = setting is not None and setting[1] == "weights"
+    predictor = None if setting is None or one_pass else DeltaPredictor(params, direction="ema", ema_beta=setting[0])
+    average = WeightEMA(params, setting[0]) if one_pass else None
+    evaluated = WeightAverage(params) if arm in AVERAGED else None
+    curve = [dict(step=0, time=0.0, val_loss=task.val_loss(model), backward=0, forward=0)]
+    train_time, predicted = 0.0, 0
+    for step in range(1, task.steps + 1):
+        batch = next(stream)
+        started = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        task.loss_fn(model, batch).backward()
+        recording = predictor is not None and step >= RECORD_FROM
+        if recording:
+            predictor.begin_step()
+        optimizer.step()
+        if average is not None and step >= RECORD_FROM:
+            average.update()
+            if step >= FIRST_PREDICT and (step - FIRST_PREDICT) % REAL_BETWEEN == 0:
+                average.predict(PREDICTED)
+                predicted += PREDICTED
+        if recording:
+            predictor.end_step()
+            if step >= FIRST_PREDICT and (step - FIRST_PREDICT) % REAL_BETWEEN == 0:
+                if not setting[1]:
+                    predictor.scales.fill_(1.0)  # α = 1: the raw EMA vector
+                for _ in range(PREDICTED):
+                    predictor.apply_predicted_step()
+                predicted += PREDICTED
+        if evaluated is not None:
+            evaluated.update()
+        train_time += time.perf_counter() - started
+        if step % EVAL_EVERY == 0:
+            model.eval()
+            with evaluated.swapped_in() if evaluated is not None else contextlib.nullcontext():
+                val = task.val_loss(model)
+            curve.append(dict(step=step, time=train_time, val_loss=val, backward=step, forward=step))
+            model.train()
+    return dict(arm=arm, seed=seed, curve=curve, predicted_steps=predicted)
+
+
+class WeightEMA:
+    """The EMA of the real updates from one pass per real step, through the weights' own EMA.
+
+    With ``θ̄ ← β θ̄ + (1 − β) θ`` after every real update ``u``, ``e = θ − θ̄`` obeys
+    ``e ← β (e + u)``, so ``(1 − β)/β · e`` *is* the EMA of the updates (zero-started; divided by
+    ``1 − βⁿ`` after ``n`` updates, bias-corrected). That replaces the predictor's copy before
+    the step, difference, norm and direction update (about six passes over the weights and a
+    host read) by one ``lerp_``. A predicted step moves ``θ̄`` with ``θ``, so ``e`` and the
+    direction stay what the real updates made them."""
+
+    def __init__(self, params: list[torch.Tensor], beta: float):
+        self.params, self.beta, self.n = params, beta, 0
+        self.average = [p.detach().clone() for p in params]
+
+    @torch.no_grad()
+    def update(self) -> None:
+        torch._foreach_lerp_(self.average, [p.detach() for p in self.params], 1 - self.beta)
+        self.n += 1
+
+    @torch.no_grad()
+    def direction(self) -> list[torch.Tensor]:
+        """The bias-corrected EMA of the updates recorded so far."""
+        direction = torch._foreach_sub([p.detach() for p in self.params], self.average)
+        torch._foreach_mul_(direction, (1 - self.beta) / self.beta / (1 - self.beta ** self.n))
+        return direction
+
+    @torch.no_grad()
+    def predict(self, steps: int) -> None:
+        """``steps`` predicted steps along the direction, one in-place add each."""
+        direction = self.direction()
+        for _ in range(steps):
+            torch._foreach_add_(self.params, direction)
+        torch._foreach_add_(self.average, direction, alpha=float(steps))
+
+
+def analyse(task, runs: dict[str, list[dict]]) -> dict:
+    target_step = int(0.8 * task.steps)
+    target = sum(interpolate(r["curve"], "step", target_step) for r in runs["plain"]) / len(runs["plain"])
+    plain_crossings = [first_crossing(r["curve"], target) for r in runs["plain"]]
+    summary = {}
+    for arm, seeds in runs.items():
+        crossings = [first_crossing(r["curve"], target) for r in seeds]
+        pairs = list(zip(crossings, plain_crossings))
+        summary[arm] = dict(
+            train_s=mean_std([r["curve"][-1]["time"] for r in seeds]),
+            final_val_loss=mean_std([r["curve"][-1]["val_loss"] for r in seeds]),
+            reached_target=sum(c is not None for c in crossings),
+            real_steps_to_target=mean_std([c["step"] if c else None for c in crossings]),
+            time_to_target_s=mean_std([c["time"] if c else None for c in crossings]),
+            speedup_vs_plain=mean_std([b["time"] / c["time"] if c and b else None for c, b in pairs]),
+            step_speedup_vs_plain=mean_std([b["step"] / c["step"] if c and b else None for c, b in pairs]),
+            # Real steps a predicted step replaced on the way to the target, per predicted step taken by then.
+            worth_per_predicted_step=mean_std([
+                (b["step"] - c["step"]) / _predicted_before(c["step"]) if c and b and _predicted_before(c["step"]) else None
+                for c, b in pairs] if ARMS[arm] is not None else []),
+            predicted_steps=seeds[0]["predicted_steps"])
+    return dict(target_val_loss=target, target_step=target_step, arms=summary)
+
+
+def _predicted_before(real_step: float) -> int:
+    """Predicted steps an arm has taken once it has made ``real_step`` real steps."""
+    if real_step < FIRST_PREDICT:
+        return 0
+    return PREDICTED * (int((real_step - FIRST_PREDICT) // REAL_BETWEEN) + 1)
+
+
+def plot(task_name: str, runs: dict[str, list[dict]], target: float, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for index, (arm, seeds) in enumerate(runs.items()):
+        for k, r in enumerate(seeds):
+            ax.plot([p["time"] for p in r["curve"]], [p["val_loss"] for p in r["curve"]], color=f"C{index}",
+                    alpha=0.8, lw=1.2, label=arm if k == 0 else None)
+    ax.axhline(target, color="grey", ls="--", lw=0.8, label="target")
+    ax.set_xlabel("training seconds (1 thread)")
+    ax.set_ylabel("validation loss")
+    ax.set_ylim(top=min(ax.get_ylim()[1], 1.5 * target))
+    ax.set_title(f"{task_name}: {PREDICTED} unverified predicted steps after every {REAL_BETWEEN} real ones",
+                 fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--task", default="charlm", choices=["charlm", "fashion", "digits"])
+    parser.add_argument("--lr", type=float, default=None, help="default: the end-to-end benchmark's tuned rate")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS), metavar="ARM",
+                        help=f"arms besides plain (default: all of {', '.join(map(repr, ARMS))})")
+    parser.add_argument("--tag", default=None, help="write scheduled_<task>_<tag>.* instead of scheduled_<task>.*")
+    parser.add_argument("--quick", action="store_true", help="the task's quick size (tests)")
+    parser.add_argument("--out", type=Path, default=Path("docs/results"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    task = get_task(args.task, quick=args.quick)
+    lr = args.lr or {"fashion": 1e-3, "charlm": 2e-3, "digits": 3e-3}[args.task]
+    arms = ["plain"] + [arm for arm in args.arms if arm != "plain"]
+    runs: dict[str, list[dict]] = {arm: [] for arm in arms}
+    with tqdm(total=args.seeds * len(arms), desc=f"scheduled prediction on {args.task}") as bar:
+        for seed in range(args.seeds):  # arms interleaved per seed: machine noise hits them alike
+            for arm in arms:
+                runs[arm].append(run(task, arm, lr, seed))
+                bar.update()
+    summary = analyse(task, runs)
+    stem = f"scheduled_{args.task}" + (f"_{args.tag}" if args.tag else "")
+    result = dict(command=f"python -m bench.scheduled --task {args.task} --lr {lr} --seeds {args.seeds}"
+                          + ("" if arms == list(ARMS) else " --arms " + " ".join(f"'{a}'" for a in arms[1:]))
+                          + (f" --tag {args.tag}" if args.tag else "") + (" --quick" if args.quick else ""),
+                  date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), torch=torch.__version__,
+                  threads=torch.get_num_threads(), task=args.task, data_source=task.data_source, lr=lr,
+                  steps=task.steps, schedule=dict(record_from=RECORD_FROM, first_predict=FIRST_PREDICT,
+                                                  real_between=REAL_BETWEEN, predicted=PREDICTED),
+                  **summary, runs=runs)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    plot(args.task, runs, summary["target_val_loss"], args.out / f"{stem}.png")
+    print(f"\n{args.task}: target {summary['target_val_loss']:.4f} (plain at step {summary['target_step']})")
+    for arm, s in summary["arms"].items():
+        speed, worth = s["speedup_vs_plain"]["mean"], s["worth_per_predicted_step"]["mean"]
+        print(f"{arm:20s} train {s['train_s']['mean']:.2f} s  final {s['final_val_loss']['mean']:.4f}  "
+              f"reached {s['reached_target']}/{args.seeds}  speed-up to target "
+              f"{'-' if speed is None else f'{speed:.2f}x'}  worth per predicted step "
+              f"{'-' if worth is None else f'{worth:.2f}'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
