@@ -83,6 +83,8 @@ bench-worth: data
 	$(PY) -m bench.partial_backward --task charlm --out docs/results
 	$(PY) -m bench.confidence --out docs/results
 	$(PY) -m bench.e2e --tasks fashion charlm --presets forced --seeds 3 --out docs/results/forced
+	$(PY) -m bench.scheduled --task fashion --out docs/results
+	$(PY) -m bench.scheduled --task charlm --out docs/results
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .benchmarks
