@@ -190,6 +190,29 @@ def mean_std(values: list[float]) -> dict[str, float | None]:
     return {"mean": statistics.fmean(vals), "std": statistics.pstdev(vals) if len(vals) > 1 else 0.0, "n": len(vals)}
 
 
+def plot_seed_curves(runs: dict[str, list[dict]], target: float, title: str, path: Path) -> None:
+    """Validation loss over training seconds, one colour per arm and one line per seed, the
+    target dashed (``runs``: arm → per-seed dicts whose ``curve`` has ``time`` and ``val_loss``)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for index, (arm, seeds) in enumerate(runs.items()):
+        for k, r in enumerate(seeds):
+            ax.plot([p["time"] for p in r["curve"]], [p["val_loss"] for p in r["curve"]], color=f"C{index}",
+                    alpha=0.8, lw=1.2, label=arm if k == 0 else None)
+    ax.axhline(target, color="grey", ls="--", lw=0.8, label="target")
+    ax.set_xlabel("training seconds (1 thread)")
+    ax.set_ylabel("validation loss")
+    ax.set_ylim(top=min(ax.get_ylim()[1], 1.5 * target))
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def analyse(task: Task, arms: list[ArmSpec], runs: dict[str, list[ArmRun]], baseline: str) -> dict:
     target_step = int(0.8 * task.steps)
     target = statistics.fmean(interpolate(r.curve, "step", target_step) for r in runs[baseline])

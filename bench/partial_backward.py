@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from .e2e import first_crossing, interpolate, mean_std
+from .e2e import first_crossing, interpolate, mean_std, plot_seed_curves
 from .tasks import get_task
 
 ALWAYS_REAL_STEPS = 50  # the first updates are large and fast-changing: nothing to extrapolate yet
@@ -119,27 +119,6 @@ def analyse(task, runs: dict[str, list[dict]]) -> dict:
     return dict(target_val_loss=target, target_step=target_step, arms=summary)
 
 
-def plot(task_name: str, runs: dict[str, list[dict]], target: float, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for index, (mode, seeds) in enumerate(runs.items()):
-        for k, r in enumerate(seeds):
-            ax.plot([p["time"] for p in r["curve"]], [p["val_loss"] for p in r["curve"]], color=f"C{index}",
-                    alpha=0.8, lw=1.2, label=mode if k == 0 else None)
-    ax.axhline(target, color="grey", ls="--", lw=0.8, label="target")
-    ax.set_xlabel("training seconds (1 thread)")
-    ax.set_ylabel("validation loss")
-    ax.set_ylim(top=min(ax.get_ylim()[1], 1.5 * target))
-    ax.set_title(f"{task_name}: lower layers' updates predicted on skipped backward passes", fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--task", default="fashion", choices=["fashion", "charlm", "digits"])
@@ -167,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
                   every=args.every, steps=task.steps, **summary, runs=runs)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"partial_backward_{args.task}.json").write_text(json.dumps(result, indent=1))
-    plot(args.task, runs, summary["target_val_loss"], args.out / f"partial_backward_{args.task}.png")
+    title = f"{args.task}: lower layers' updates predicted on skipped backward passes"
+    plot_seed_curves(runs, summary["target_val_loss"], title, args.out / f"partial_backward_{args.task}.png")
     print(f"\ntarget {summary['target_val_loss']:.4f} (plain at step {summary['target_step']})")
     for mode, s in summary["arms"].items():
         speed = s["speedup_vs_plain"]["mean"]

@@ -42,17 +42,19 @@ from tqdm import tqdm
 from hybrid_trainer.averaging import WeightAverage
 from hybrid_trainer.predictor import DeltaPredictor
 
-from .e2e import first_crossing, interpolate, mean_std
+from .e2e import first_crossing, interpolate, mean_std, plot_seed_curves
 from .tasks import get_task
 
 RECORD_FROM = 50  # real steps before the EMA starts: the first updates are large and fast-changing
 FIRST_PREDICT = 100  # the probe's warm-up on the char-LM
 REAL_BETWEEN, PREDICTED = 15, 10  # the probe's F10 k10 C5: 15 real steps, then 10 predicted
 EVAL_EVERY = 25  # real steps between validations: resolves ~1.05x on a 600-step run
-ARMS = {"plain": None, "ema 0.98, α 1": (0.98, False), "ema 0.99, α 1": (0.99, False),
-        "ema 0.98, fitted α": (0.98, True), "ema 0.98, α 1, one pass": (0.98, "weights"),
-        "ema 0.99, α 1, one pass": (0.99, "weights"), "plain, evaluated at its weight average": None,
-        "ema 0.99, α 1, one pass, evaluated at its weight average": (0.99, "weights")}
+# arm → None (no prediction) or (EMA β, how the step is scaled and recorded): "unit" = the
+# predictor's EMA at scale 1, "fitted" = its least-squares scale, "one pass" = WeightEMA at scale 1.
+ARMS = {"plain": None, "ema 0.98, α 1": (0.98, "unit"), "ema 0.99, α 1": (0.99, "unit"),
+        "ema 0.98, fitted α": (0.98, "fitted"), "ema 0.98, α 1, one pass": (0.98, "one pass"),
+        "ema 0.99, α 1, one pass": (0.99, "one pass"), "plain, evaluated at its weight average": None,
+        "ema 0.99, α 1, one pass, evaluated at its weight average": (0.99, "one pass")}
 # Validated at the trainer's lag-corrected weight average (hybrid_trainer.averaging), training
 # from the iterate: does extrapolation add to what averaging gives for free?
 AVERAGED = {"plain, evaluated at its weight average", "ema 0.99, α 1, one pass, evaluated at its weight average"}
@@ -64,10 +66,9 @@ def run(task, arm: str, lr: float, seed: int) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr)
     stream = task.batches(seed)
-    setting = ARMS[arm]
-    one_pass = setting is not None and setting[1] == "weights"
-    predictor = None if setting is None or one_pass else DeltaPredictor(params, direction="ema", ema_beta=setting[0])
-    average = WeightEMA(params, setting[0]) if one_pass else None
+    beta, mode = ARMS[arm] or (None, None)
+    predictor = DeltaPredictor(params, direction="ema", ema_beta=beta) if mode in ("unit", "fitted") else None
+    average = WeightEMA(params, beta) if mode == "one pass" else None
     evaluated = WeightAverage(params) if arm in AVERAGED else None
     curve = [dict(step=0, time=0.0, val_loss=task.val_loss(model), backward=0, forward=0)]
     train_time, predicted = 0.0, 0
@@ -88,7 +89,7 @@ def run(task, arm: str, lr: float, seed: int) -> dict:
         if recording:
             predictor.end_step()
             if step >= FIRST_PREDICT and (step - FIRST_PREDICT) % REAL_BETWEEN == 0:
-                if not setting[1]:
+                if mode == "unit":
                     predictor.scales.fill_(1.0)  # α = 1: the raw EMA vector
                 for _ in range(PREDICTED):
                     predictor.apply_predicted_step()
@@ -171,28 +172,6 @@ def _predicted_before(real_step: float) -> int:
     return PREDICTED * (int((real_step - FIRST_PREDICT) // REAL_BETWEEN) + 1)
 
 
-def plot(task_name: str, runs: dict[str, list[dict]], target: float, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for index, (arm, seeds) in enumerate(runs.items()):
-        for k, r in enumerate(seeds):
-            ax.plot([p["time"] for p in r["curve"]], [p["val_loss"] for p in r["curve"]], color=f"C{index}",
-                    alpha=0.8, lw=1.2, label=arm if k == 0 else None)
-    ax.axhline(target, color="grey", ls="--", lw=0.8, label="target")
-    ax.set_xlabel("training seconds (1 thread)")
-    ax.set_ylabel("validation loss")
-    ax.set_ylim(top=min(ax.get_ylim()[1], 1.5 * target))
-    ax.set_title(f"{task_name}: {PREDICTED} unverified predicted steps after every {REAL_BETWEEN} real ones",
-                 fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--task", default="charlm", choices=["charlm", "fashion", "digits"])
@@ -226,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
                   **summary, runs=runs)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
-    plot(args.task, runs, summary["target_val_loss"], args.out / f"{stem}.png")
+    title = f"{args.task}: {PREDICTED} unverified predicted steps after every {REAL_BETWEEN} real ones"
+    plot_seed_curves(runs, summary["target_val_loss"], title, args.out / f"{stem}.png")
     print(f"\n{args.task}: target {summary['target_val_loss']:.4f} (plain at step {summary['target_step']})")
     for arm, s in summary["arms"].items():
         speed, worth = s["speedup_vs_plain"]["mean"], s["worth_per_predicted_step"]["mean"]
