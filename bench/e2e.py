@@ -190,6 +190,29 @@ def mean_std(values: list[float]) -> dict[str, float | None]:
     return {"mean": statistics.fmean(vals), "std": statistics.pstdev(vals) if len(vals) > 1 else 0.0, "n": len(vals)}
 
 
+def summarise_against_plain(task, runs: dict[str, list[dict]]) -> tuple[dict, dict[str, list[dict | None]]]:
+    """What every arm of a plain-loop comparison reports, against the ``"plain"`` arm.
+
+    ``runs``: arm → per-seed dicts whose ``curve`` has ``step``, ``time``, ``val_loss``,
+    ``backward``, ``forward``. Target: plain's mean validation loss at 80% of ``task.steps``.
+    Returns ``(dict(target_val_loss, target_step, arms={arm: summary}), crossings)`` where
+    ``crossings[arm]`` holds each seed's first crossing of the target (None where missed), for
+    arm-specific fields the caller adds."""
+    target_step = int(0.8 * task.steps)
+    target = sum(interpolate(r["curve"], "step", target_step) for r in runs["plain"]) / len(runs["plain"])
+    crossings = {arm: [first_crossing(r["curve"], target) for r in seeds] for arm, seeds in runs.items()}
+    summary = {}
+    for arm, seeds in runs.items():
+        pairs = list(zip(crossings[arm], crossings["plain"]))
+        summary[arm] = dict(
+            train_s=mean_std([r["curve"][-1]["time"] for r in seeds]),
+            final_val_loss=mean_std([r["curve"][-1]["val_loss"] for r in seeds]),
+            time_to_target_s=mean_std([c["time"] if c else None for c in crossings[arm]]),
+            reached_target=sum(c is not None for c in crossings[arm]),
+            speedup_vs_plain=mean_std([b["time"] / c["time"] if c and b else None for c, b in pairs]))
+    return dict(target_val_loss=target, target_step=target_step, arms=summary), crossings
+
+
 def plot_seed_curves(runs: dict[str, list[dict]], target: float, title: str, path: Path) -> None:
     """Validation loss over training seconds, one colour per arm and one line per seed, the
     target dashed (``runs``: arm → per-seed dicts whose ``curve`` has ``time`` and ``val_loss``)."""

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from .e2e import first_crossing, interpolate, mean_std, plot_seed_curves
+from .e2e import plot_seed_curves, summarise_against_plain
 from .tasks import get_task
 
 ALWAYS_REAL_STEPS = 50  # the first updates are large and fast-changing: nothing to extrapolate yet
@@ -101,22 +101,11 @@ def run(task, mode: str, every: int, lr: float, seed: int) -> dict:
 
 
 def analyse(task, runs: dict[str, list[dict]]) -> dict:
-    target_step = int(0.8 * task.steps)
-    target = sum(interpolate(r["curve"], "step", target_step) for r in runs["plain"]) / len(runs["plain"])
-    plain_crossings = [first_crossing(r["curve"], target) for r in runs["plain"]]
-    summary = {}
+    summary, _ = summarise_against_plain(task, runs)
     for mode, seeds in runs.items():
-        crossings = [first_crossing(r["curve"], target) for r in seeds]
-        summary[mode] = dict(
-            train_s=mean_std([r["curve"][-1]["time"] for r in seeds]),
-            final_val_loss=mean_std([r["curve"][-1]["val_loss"] for r in seeds]),
-            time_to_target_s=mean_std([c["time"] if c else None for c in crossings]),
-            reached_target=sum(c is not None for c in crossings),
-            speedup_vs_plain=mean_std([base["time"] / c["time"] if c and base else None
-                                       for c, base in zip(crossings, plain_crossings)]),
-            lower_backward_skipped=seeds[0]["lower_backward_skipped"],
-            lower_parameter_share=seeds[0]["lower_parameters"] / seeds[0]["parameters"])
-    return dict(target_val_loss=target, target_step=target_step, arms=summary)
+        summary["arms"][mode].update(lower_backward_skipped=seeds[0]["lower_backward_skipped"],
+                                     lower_parameter_share=seeds[0]["lower_parameters"] / seeds[0]["parameters"])
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,7 +42,7 @@ from tqdm import tqdm
 from hybrid_trainer.averaging import WeightAverage
 from hybrid_trainer.predictor import DeltaPredictor
 
-from .e2e import first_crossing, interpolate, mean_std, plot_seed_curves
+from .e2e import mean_std, plot_seed_curves, summarise_against_plain
 from .tasks import get_task
 
 RECORD_FROM = 50  # real steps before the EMA starts: the first updates are large and fast-changing
@@ -142,27 +142,18 @@ class WeightEMA:
 
 
 def analyse(task, runs: dict[str, list[dict]]) -> dict:
-    target_step = int(0.8 * task.steps)
-    target = sum(interpolate(r["curve"], "step", target_step) for r in runs["plain"]) / len(runs["plain"])
-    plain_crossings = [first_crossing(r["curve"], target) for r in runs["plain"]]
-    summary = {}
+    summary, crossings = summarise_against_plain(task, runs)
     for arm, seeds in runs.items():
-        crossings = [first_crossing(r["curve"], target) for r in seeds]
-        pairs = list(zip(crossings, plain_crossings))
-        summary[arm] = dict(
-            train_s=mean_std([r["curve"][-1]["time"] for r in seeds]),
-            final_val_loss=mean_std([r["curve"][-1]["val_loss"] for r in seeds]),
-            reached_target=sum(c is not None for c in crossings),
-            real_steps_to_target=mean_std([c["step"] if c else None for c in crossings]),
-            time_to_target_s=mean_std([c["time"] if c else None for c in crossings]),
-            speedup_vs_plain=mean_std([b["time"] / c["time"] if c and b else None for c, b in pairs]),
+        pairs = list(zip(crossings[arm], crossings["plain"]))
+        summary["arms"][arm].update(
+            real_steps_to_target=mean_std([c["step"] if c else None for c in crossings[arm]]),
             step_speedup_vs_plain=mean_std([b["step"] / c["step"] if c and b else None for c, b in pairs]),
             # Real steps a predicted step replaced on the way to the target, per predicted step taken by then.
             worth_per_predicted_step=mean_std([
                 (b["step"] - c["step"]) / _predicted_before(c["step"]) if c and b and _predicted_before(c["step"]) else None
                 for c, b in pairs] if ARMS[arm] is not None else []),
             predicted_steps=seeds[0]["predicted_steps"])
-    return dict(target_val_loss=target, target_step=target_step, arms=summary)
+    return summary
 
 
 def _predicted_before(real_step: float) -> int:
