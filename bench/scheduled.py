@@ -32,6 +32,7 @@ import argparse
 import contextlib
 import datetime as dt
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -42,7 +43,7 @@ from tqdm import tqdm
 from hybrid_trainer.averaging import WeightAverage
 from hybrid_trainer.predictor import DeltaPredictor
 
-from .e2e import mean_std, plot_seed_curves, summarise_against_plain
+from .e2e import first_crossing, mean_std, plot_seed_curves, summarise_against_plain
 from .tasks import get_task
 
 RECORD_FROM = 50  # real steps before the EMA starts: the first updates are large and fast-changing
@@ -50,14 +51,19 @@ FIRST_PREDICT = 100  # the probe's warm-up on the char-LM
 REAL_BETWEEN, PREDICTED = 15, 10  # the probe's F10 k10 C5: 15 real steps, then 10 predicted
 EVAL_EVERY = 25  # real steps between validations: resolves ~1.05x on a 600-step run
 # arm → None (no prediction) or (EMA β, how the step is scaled and recorded): "unit" = the
-# predictor's EMA at scale 1, "fitted" = its least-squares scale, "one pass" = WeightEMA at scale 1.
+# predictor's EMA at scale 1, "fitted" = its least-squares scale, "one pass" = WeightEMA at scale 1,
+# "tangential" = the same without its component along each weight matrix (WeightEMA.predict):
+# on the char-LM the EMA direction points largely along the weights themselves, so predicted
+# steps mostly grow weight norms; does taking that part out remove the harm?
 ARMS = {"plain": None, "ema 0.98, α 1": (0.98, "unit"), "ema 0.99, α 1": (0.99, "unit"),
         "ema 0.98, fitted α": (0.98, "fitted"), "ema 0.98, α 1, one pass": (0.98, "one pass"),
         "ema 0.99, α 1, one pass": (0.99, "one pass"), "plain, evaluated at its weight average": None,
-        "ema 0.99, α 1, one pass, evaluated at its weight average": (0.99, "one pass")}
+        "ema 0.99, α 1, one pass, evaluated at its weight average": (0.99, "one pass"),
+        "ema 0.99, α 1, one pass, tangential, evaluated at its weight average": (0.99, "tangential")}
 # Validated at the trainer's lag-corrected weight average (hybrid_trainer.averaging), training
 # from the iterate: does extrapolation add to what averaging gives for free?
-AVERAGED = {"plain, evaluated at its weight average", "ema 0.99, α 1, one pass, evaluated at its weight average"}
+AVERAGED = {"plain, evaluated at its weight average", "ema 0.99, α 1, one pass, evaluated at its weight average",
+            "ema 0.99, α 1, one pass, tangential, evaluated at its weight average"}
 
 
 def run(task, arm: str, lr: float, seed: int) -> dict:
@@ -68,7 +74,7 @@ def run(task, arm: str, lr: float, seed: int) -> dict:
     stream = task.batches(seed)
     beta, mode = ARMS[arm] or (None, None)
     predictor = DeltaPredictor(params, direction="ema", ema_beta=beta) if mode in ("unit", "fitted") else None
-    average = WeightEMA(params, beta) if mode == "one pass" else None
+    average = WeightEMA(params, beta) if mode in ("one pass", "tangential") else None
     evaluated = WeightAverage(params) if arm in AVERAGED else None
     curve = [dict(step=0, time=0.0, val_loss=task.val_loss(model), backward=0, forward=0)]
     train_time, predicted = 0.0, 0
@@ -84,7 +90,7 @@ def run(task, arm: str, lr: float, seed: int) -> dict:
         if average is not None and step >= RECORD_FROM:
             average.update()
             if step >= FIRST_PREDICT and (step - FIRST_PREDICT) % REAL_BETWEEN == 0:
-                average.predict(PREDICTED)
+                average.predict(PREDICTED, tangential=mode == "tangential")
                 predicted += PREDICTED
         if recording:
             predictor.end_step()
@@ -133,9 +139,16 @@ class WeightEMA:
         return direction
 
     @torch.no_grad()
-    def predict(self, steps: int) -> None:
-        """``steps`` predicted steps along the direction, one in-place add each."""
+    def predict(self, steps: int, tangential: bool = False) -> None:
+        """``steps`` predicted steps along the direction, one in-place add each; ``tangential``:
+        first remove, for each tensor of two or more dimensions, the direction's projection on
+        that tensor (the part that only rescales it), so predicted steps leave its norm to first
+        order where it was; vectors (biases, norm gains) keep their full direction."""
         direction = self.direction()
+        if tangential:
+            for d, p in zip(direction, self.params):
+                if p.dim() >= 2:
+                    d.sub_(p, alpha=float((d * p).sum() / (p * p).sum().clamp_min(1e-30)))
         for _ in range(steps):
             torch._foreach_add_(self.params, direction)
         torch._foreach_add_(self.average, direction, alpha=float(steps))
@@ -163,6 +176,80 @@ def _predicted_before(real_step: float) -> int:
     return PREDICTED * (int((real_step - FIRST_PREDICT) // REAL_BETWEEN) + 1)
 
 
+FORK_WIDTHS = (25, 50, 75, 100)  # real steps a trial runs each branch for (multiples of EVAL_EVERY)
+
+
+def fork_trial(result: dict, arm: str, control: str, widths=FORK_WIDTHS) -> dict:
+    """Would a trial that forks the run decide well whether to predict, and would it pay?
+
+    ``arm`` and ``control`` of one committed ``result`` share initialisation, batches and every
+    weight up to real step ``FIRST_PREDICT``, whose update ends with the first predicted steps
+    (checked: their validation losses agree at every evaluation before it), so each seed's pair
+    *is* a fork at that step. A trial of width ``W`` runs both branches ``W`` real steps,
+    keeps the one with the lower validation loss (the best case: the whole validation set as the
+    judge) and goes on along it, having paid ``W`` real steps for the discarded branch. From the
+    recorded curves this gives exactly, per seed: the decision, the branch's real steps to the
+    target plus ``W``, and the speed-up in real steps against the control's own steps to the
+    target. Wall-clock is not derived (it would need each step's cost; the arms differ)."""
+    schedule = result["schedule"]
+    first, target = schedule["first_predict"], result["target_val_loss"]
+    steps_to_target = {name: [c["step"] if c else None for c in _crossings(result, name, target)]
+                       for name in (arm, control)}
+    by_step = {name: [{p["step"]: p["val_loss"] for p in r["curve"]} for r in result["runs"][name]]
+               for name in (arm, control)}
+    for seed, (a, c) in enumerate(zip(by_step[arm], by_step[control])):
+        for step in (step for step in a if step < first):
+            if abs(a[step] - c[step]) > 1e-6:
+                raise ValueError(f"{arm!r} and {control!r} differ before the fork (seed {seed}, step {step}): "
+                                 f"{a[step]:.6f} vs {c[step]:.6f}")
+    rows = []
+    for width in widths:
+        decisions, speedups = [], []
+        for seed, (a, c) in enumerate(zip(by_step[arm], by_step[control])):
+            predict = a[first + width] < c[first + width]
+            chosen = steps_to_target[arm if predict else control][seed]
+            own = steps_to_target[control][seed]
+            decisions.append(dict(seed=seed, predict=predict, loss_difference=a[first + width] - c[first + width]))
+            speedups.append(own / (chosen + width) if chosen and own else None)
+        right = [(d["predict"] == ((steps_to_target[arm][k] or math.inf) < (steps_to_target[control][k] or math.inf)))
+                 for k, d in enumerate(decisions)]
+        rows.append(dict(width=width, decisions=decisions, right_decisions=sum(right), seeds=len(right),
+                         step_speedup=mean_std(speedups)))
+    return dict(task=result["task"], lr=result["lr"], arm=arm, control=control, fork_step=first,
+                steps_to_target={k: mean_std(v) for k, v in steps_to_target.items()},
+                arm_step_speedup=mean_std([c / a if a and c else None for a, c in zip(*steps_to_target.values())]),
+                widths=rows)
+
+
+def _crossings(result: dict, arm: str, target: float) -> list[dict | None]:
+    return [first_crossing(r["curve"], target) for r in result["runs"][arm]]
+
+
+def _short(arm: str) -> str:
+    return arm.replace(", evaluated at its weight average", " @ average")
+
+
+def fork_trial_markdown(trials: list[dict], command: str) -> str:
+    lines = [f"Fork trials from committed paired runs, `{command}`: each seed's two arms share every weight "
+             f"up to the fork, so the table is exact for those runs (the judge is the full validation set, "
+             f"a best case). Speed-up: the control's real steps to the target over the chosen branch's plus "
+             f"the trial's width (the discarded branch's steps).", "",
+             "| task | lr | arm (vs control) | its speed-up in steps, untrialled | trial width | right decisions "
+             "| loss difference at the end of the trial, per seed | speed-up in steps with the trial |",
+             "|---|---|---|---|---|---|---|---|"]
+    for t in trials:
+        untrialled = t["arm_step_speedup"]["mean"]
+        for row in t["widths"]:
+            speed = row["step_speedup"]
+            lines.append(f"| {t['task']} | {t['lr']:g} | {_short(t['arm'])} (vs {_short(t['control'])}) | "
+                         f"{'–' if untrialled is None else f'{untrialled:.2f}×'} | {row['width']} | "
+                         f"{row['right_decisions']}/{row['seeds']} | "
+                         + " ".join(f"{d['loss_difference']:+.4f}" for d in row["decisions"]) + " | "
+                         + (f"{speed['mean']:.2f} ± {speed['std']:.2f}× ({speed['n']}/{row['seeds']})"
+                            if speed["mean"] is not None else "not reached") + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--task", default="charlm", choices=["charlm", "fashion", "digits"])
@@ -173,7 +260,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tag", default=None, help="write scheduled_<task>_<tag>.* instead of scheduled_<task>.*")
     parser.add_argument("--quick", action="store_true", help="the task's quick size (tests)")
     parser.add_argument("--out", type=Path, default=Path("docs/results"))
+    parser.add_argument("--fork-trial", nargs="+", type=Path, default=None, metavar="JSON",
+                        help="instead of running: analyse committed results (their two evaluated-at-the-average "
+                             f"arms, else the one-pass arm against plain) as fork trials of widths {FORK_WIDTHS}; "
+                             "writes <out>/scheduled_fork_trial.md and .json")
     args = parser.parse_args(argv)
+    if args.fork_trial:
+        return _write_fork_trials(args.fork_trial, args.out)
     torch.set_num_threads(1)
     task = get_task(args.task, quick=args.quick)
     lr = args.lr or {"fashion": 1e-3, "charlm": 2e-3, "digits": 3e-3}[args.task]
@@ -205,6 +298,27 @@ def main(argv: list[str] | None = None) -> int:
               f"reached {s['reached_target']}/{args.seeds}  speed-up to target "
               f"{'-' if speed is None else f'{speed:.2f}x'}  worth per predicted step "
               f"{'-' if worth is None else f'{worth:.2f}'}")
+    return 0
+
+
+def _write_fork_trials(paths: list[Path], out: Path) -> int:
+    trials = []
+    for path in paths:
+        result = json.loads(path.read_text())
+        averaged = [arm for arm in result["runs"] if arm in AVERAGED and arm != "plain, evaluated at its weight average"]
+        if averaged:
+            pairs = [(arm, "plain, evaluated at its weight average") for arm in averaged]
+        else:
+            pairs = [(arm, "plain") for arm in result["runs"] if ARMS.get(arm) and ARMS[arm][1] == "one pass"]
+        if not pairs:
+            raise SystemExit(f"--fork-trial {path}: no one-pass or averaged arm to analyse")
+        trials += [fork_trial(result, arm, control) for arm, control in pairs]
+    command = "python -m bench.scheduled --fork-trial " + " ".join(str(p) for p in paths)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "scheduled_fork_trial.json").write_text(json.dumps(dict(command=command, trials=trials), indent=1))
+    text = fork_trial_markdown(trials, command)
+    (out / "scheduled_fork_trial.md").write_text(text)
+    print(text)
     return 0
 
 

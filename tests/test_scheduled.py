@@ -96,3 +96,63 @@ def test_averaged_arm_validates_at_the_weight_average_and_trains_from_the_iterat
     assert [p["step"] for p in plain["curve"]] == [p["step"] for p in averaged["curve"]]
     assert averaged["curve"][0]["val_loss"] == plain["curve"][0]["val_loss"]  # before any step: one point
     assert all(a["val_loss"] != b["val_loss"] for a, b in zip(averaged["curve"][1:], plain["curve"][1:]))
+
+
+def test_tangential_prediction_leaves_matrix_norms_alone_to_first_order():
+    gen = torch.Generator().manual_seed(1)
+    matrix = torch.nn.Parameter(torch.randn(6, 5, generator=gen, dtype=torch.float64))
+    bias = torch.nn.Parameter(torch.randn(5, generator=gen, dtype=torch.float64))
+    ema = scheduled.WeightEMA([matrix, bias], 0.9)
+    for _ in range(5):  # updates that mostly grow the weights, as on the char-LM
+        with torch.no_grad():
+            matrix.mul_(1.1).add_(0.01 * torch.randn(6, 5, generator=gen, dtype=torch.float64))
+            bias.mul_(1.1)
+        ema.update()
+    full = ema.direction()
+    before = [matrix.detach().clone(), bias.detach().clone()]
+    ema.predict(2, tangential=True)
+    moved = [matrix.detach() - before[0], bias.detach() - before[1]]
+    assert abs(float((moved[0] * before[0]).sum())) < 1e-10 * float(moved[0].norm() * before[0].norm())
+    assert float((full[0] * before[0]).sum()) > 0.9 * float(full[0].norm() * before[0].norm())  # was radial
+    torch.testing.assert_close(moved[1], 2 * full[1])  # vectors keep their whole direction
+    # What is left of the matrix's direction is the full one minus its projection on the weights.
+    radial = float((full[0] * before[0]).sum() / (before[0] * before[0]).sum())
+    torch.testing.assert_close(moved[0], 2 * (full[0] - radial * before[0]))
+
+
+def _paired_result(arm_losses: dict[int, list[float]], control_losses: dict[int, list[float]]) -> dict:
+    """A committed-result shape with curves every 25 steps from 0 to 300 (target 1.0, fork at 100)."""
+    def runs(losses):
+        return [dict(curve=[dict(step=25 * i, time=float(i), val_loss=v, backward=25 * i, forward=25 * i)
+                           for i, v in enumerate(seed)])
+                for seed in losses.values()]
+    return dict(task="t", lr=1e-3, target_val_loss=1.0, schedule=dict(first_predict=100),
+                runs={"arm": runs(arm_losses), "control": runs(control_losses)})
+
+
+def test_fork_trial_reads_decisions_and_step_costs_off_paired_curves():
+    shared = [3.0, 2.5, 2.2, 2.0]  # steps 0..75: one trajectory until the fork
+    control = {0: shared + [1.9, 1.8, 1.7, 1.6, 1.5, 1.4, 1.2, 1.1, 0.9],  # crosses 1.0 at step 287.5
+               1: shared + [1.9, 1.8, 1.7, 1.6, 1.5, 1.4, 1.2, 1.1, 0.9]}
+    arm = {0: shared + [1.85, 1.7, 1.5, 1.3, 1.1, 0.9, 0.8, 0.7, 0.6],  # better from the start, crosses at 212.5
+           1: shared + [1.95, 1.85, 1.6, 1.7, 1.6, 1.5, 1.4, 1.3, 1.2]}  # worse at 125, better at 150, never crosses
+    trial = scheduled.fork_trial(_paired_result(arm, control), "arm", "control", widths=(25, 50))
+    by_width = {row["width"]: row for row in trial["widths"]}
+    assert [d["predict"] for d in by_width[25]["decisions"]] == [True, False]
+    assert by_width[25]["right_decisions"] == 2
+    assert [d["predict"] for d in by_width[50]["decisions"]] == [True, True]
+    assert by_width[50]["right_decisions"] == 1
+    # Seed 0 predicts: 287.5 control steps against 212.5 + the trial's width; seed 1 at width 25
+    # goes on along the control, having paid 25 steps for the discarded branch.
+    assert by_width[25]["step_speedup"]["mean"] == pytest.approx((287.5 / 237.5 + 287.5 / 312.5) / 2)
+    assert by_width[50]["step_speedup"]["n"] == 1  # seed 1 chose a branch that never reaches the target
+    assert by_width[50]["step_speedup"]["mean"] == pytest.approx(287.5 / 262.5)
+    assert trial["arm_step_speedup"]["mean"] == pytest.approx(287.5 / 212.5)  # untrialled, where it reached
+
+
+def test_fork_trial_refuses_arms_that_differ_before_the_fork():
+    shared = [3.0, 2.5, 2.2, 2.0, 1.9, 1.8, 1.7, 1.6, 1.5, 1.4, 1.2, 1.1, 0.9]
+    other = list(shared)
+    other[2] = 2.3
+    with pytest.raises(ValueError, match="differ before the fork"):
+        scheduled.fork_trial(_paired_result({0: other}, {0: shared}), "arm", "control")
