@@ -85,6 +85,11 @@ bench-worth: data
 	$(PY) -m bench.e2e --tasks fashion charlm --presets forced --seeds 3 --out docs/results/forced
 	$(PY) -m bench.scheduled --task fashion --out docs/results
 	$(PY) -m bench.scheduled --task charlm --out docs/results
+	for task in fashion charlm; do $(PY) -m bench.scheduled --task $$task --arms 'plain, evaluated at its weight average' \
+	  'ema 0.99, α 1, one pass, evaluated at its weight average' \
+	  'ema 0.99, α 1, one pass, tangential, evaluated at its weight average' --tag tangential --out docs/results; done
+	$(PY) -m bench.scheduled --fork-trial docs/results/scheduled_fashion_tangential.json docs/results/scheduled_fashion_lr2x.json \
+	  docs/results/scheduled_charlm_tangential.json docs/results/scheduled_charlm_one_pass.json --out docs/results
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .benchmarks

@@ -18,7 +18,11 @@ Arms: ``plain``; ``ema β, α 1`` for β in 0.98 / 0.99 (scales fixed at 1); ``e
 (the trainer's per-tensor scale); ``…, one pass``: the same EMA at scale 1 recorded through the
 weights' own EMA (:class:`WeightEMA`: one ``lerp_`` per real step instead of the predictor's
 bookkeeping); ``…, evaluated at its weight average``: plain and one-pass validated at the
-trainer's lag-corrected weight average (``hybrid_trainer.averaging``), training from the iterate.
+trainer's lag-corrected weight average (``hybrid_trainer.averaging``), training from the iterate;
+``…, tangential, …``: one pass without the direction's component along each weight matrix.
+``--fork-trial JSON…`` analyses committed runs instead: their arms share every weight until the
+first predicted steps, so each pair is a fork, and :func:`fork_trial` reads off what a trial that
+runs both branches and keeps the better one would decide and cost.
 From step ``FIRST_PREDICT`` on, each ``REAL_BETWEEN`` real steps are followed by ``PREDICTED``
 predicted ones (the probe's F10 k10 C5 cycle). Predicted steps consume no batch and touch no
 optimizer state. The step budget (``task.steps``) counts real
