@@ -57,8 +57,8 @@ EVAL_EVERY = 25  # real steps between validations: resolves ~1.05x on a 600-step
 # arm → None (no prediction) or (EMA β, how the step is scaled and recorded): "unit" = the
 # predictor's EMA at scale 1, "fitted" = its least-squares scale, "one pass" = WeightEMA at scale 1,
 # "tangential" = the same without its component along each weight matrix (WeightEMA.predict):
-# on the char-LM the EMA direction points largely along the weights themselves, so predicted
-# steps mostly grow weight norms; does taking that part out remove the harm?
+# the EMA of Adam's updates has a part along the weights, so repeating it grows weight norms;
+# is that the char-LM's harm?
 ARMS = {"plain": None, "ema 0.98, α 1": (0.98, "unit"), "ema 0.99, α 1": (0.99, "unit"),
         "ema 0.98, fitted α": (0.98, "fitted"), "ema 0.98, α 1, one pass": (0.98, "one pass"),
         "ema 0.99, α 1, one pass": (0.99, "one pass"), "plain, evaluated at its weight average": None,
