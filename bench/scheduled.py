@@ -197,7 +197,8 @@ def fork_trial(result: dict, arm: str, control: str, widths=FORK_WIDTHS) -> dict
     target. Wall-clock is not derived (it would need each step's cost; the arms differ)."""
     schedule = result["schedule"]
     first, target = schedule["first_predict"], result["target_val_loss"]
-    steps_to_target = {name: [c["step"] if c else None for c in _crossings(result, name, target)]
+    steps_to_target = {name: [c["step"] if c else None
+                              for c in (first_crossing(r["curve"], target) for r in result["runs"][name])]
                        for name in (arm, control)}
     by_step = {name: [{p["step"]: p["val_loss"] for p in r["curve"]} for r in result["runs"][name]]
                for name in (arm, control)}
@@ -221,12 +222,9 @@ def fork_trial(result: dict, arm: str, control: str, widths=FORK_WIDTHS) -> dict
                          step_speedup=mean_std(speedups)))
     return dict(task=result["task"], lr=result["lr"], arm=arm, control=control, fork_step=first,
                 steps_to_target={k: mean_std(v) for k, v in steps_to_target.items()},
-                arm_step_speedup=mean_std([c / a if a and c else None for a, c in zip(*steps_to_target.values())]),
+                arm_step_speedup=mean_std([c / a if a and c else None
+                                           for a, c in zip(steps_to_target[arm], steps_to_target[control])]),
                 widths=rows)
-
-
-def _crossings(result: dict, arm: str, target: float) -> list[dict | None]:
-    return [first_crossing(r["curve"], target) for r in result["runs"][arm]]
 
 
 def _short(arm: str) -> str:
