@@ -88,6 +88,8 @@ bench-worth: data
 	for task in fashion charlm; do $(PY) -m bench.scheduled --task $$task --arms 'plain, evaluated at its weight average' \
 	  'ema 0.99, α 1, one pass, evaluated at its weight average' \
 	  'ema 0.99, α 1, one pass, tangential, evaluated at its weight average' --tag tangential --out docs/results; done
+	$(PY) -m bench.scheduled --task charlm --seeds 2 --steps 1800 --arms 'plain, evaluated at its weight average' \
+	  'ema 0.99, α 1, one pass, evaluated at its weight average' --tag steps1800 --out docs/results
 	$(PY) -m bench.scheduled --fork-trial docs/results/scheduled_fashion_tangential.json docs/results/scheduled_fashion_lr2x.json \
 	  docs/results/scheduled_charlm_tangential.json docs/results/scheduled_charlm_one_pass.json --out docs/results
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime as dt
 import json
 import math
@@ -261,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"arms besides plain (default: all of {', '.join(map(repr, ARMS))})")
     parser.add_argument("--tag", default=None, help="write scheduled_<task>_<tag>.* instead of scheduled_<task>.*")
     parser.add_argument("--quick", action="store_true", help="the task's quick size (tests)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="real-step budget (default: the task's); the target follows it (plain at 80%%)")
     parser.add_argument("--out", type=Path, default=Path("docs/results"))
     parser.add_argument("--fork-trial", nargs="+", type=Path, default=None, metavar="JSON",
                         help="instead of running: analyse committed results (their two evaluated-at-the-average "
@@ -271,6 +274,10 @@ def main(argv: list[str] | None = None) -> int:
         return _write_fork_trials(args.fork_trial, args.out)
     torch.set_num_threads(1)
     task = get_task(args.task, quick=args.quick)
+    if args.steps is not None:
+        if args.steps < 2 * FIRST_PREDICT:
+            parser.error(f"--steps {args.steps}: needs at least {2 * FIRST_PREDICT} (predicted steps start at {FIRST_PREDICT})")
+        task = dataclasses.replace(task, steps=args.steps)
     lr = args.lr or {"fashion": 1e-3, "charlm": 2e-3, "digits": 3e-3}[args.task]
     arms = ["plain"] + [arm for arm in args.arms if arm != "plain"]
     runs: dict[str, list[dict]] = {arm: [] for arm in arms}
@@ -283,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     stem = f"scheduled_{args.task}" + (f"_{args.tag}" if args.tag else "")
     result = dict(command=f"python -m bench.scheduled --task {args.task} --lr {lr} --seeds {args.seeds}"
                           + ("" if arms == list(ARMS) else " --arms " + " ".join(f"'{a}'" for a in arms[1:]))
+                          + (f" --steps {args.steps}" if args.steps is not None else "")
                           + (f" --tag {args.tag}" if args.tag else "") + (" --quick" if args.quick else ""),
                   date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), torch=torch.__version__,
                   threads=torch.get_num_threads(), task=args.task, data_source=task.data_source, lr=lr,

@@ -83,6 +83,19 @@ def test_command_runs_the_named_arms_under_a_tag(tmp_path):
     assert "--arms 'ema 0.99, α 1, one pass' --tag t" in result["command"]
 
 
+def test_steps_sets_the_budget_and_the_target_follows_it(tmp_path):
+    argv = ["--task", "digits", "--quick", "--seeds", "1", "--arms", "ema 0.99, α 1, one pass", "--steps", "250",
+            "--tag", "long", "--out", str(tmp_path)]
+    assert scheduled.main(argv) == 0
+    result = json.loads((tmp_path / "scheduled_digits_long.json").read_text())
+    assert get_task("digits", quick=True).steps != 250
+    assert result["steps"] == 250 and result["target_step"] == 200  # plain at 80% of the budget
+    assert all(run[0]["curve"][-1]["step"] == 250 for run in result["runs"].values())
+    assert "--steps 250" in result["command"]
+    with pytest.raises(SystemExit):
+        scheduled.main(["--task", "digits", "--quick", "--steps", "150", "--out", str(tmp_path)])
+
+
 def test_averaged_arm_validates_at_the_weight_average_and_trains_from_the_iterate():
     task = get_task("digits", quick=True)
     models, make_model = [], task.make_model
