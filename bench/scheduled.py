@@ -79,7 +79,8 @@ def run(task, arm: str, lr: float, seed: int) -> dict:
     stream = task.batches(seed)
     beta, mode = ARMS[arm] or (None, None)
     predictor = DeltaPredictor(params, direction="ema", ema_beta=beta) if mode in ("unit", "fitted") else None
-    average = WeightEMA(params, beta) if mode in ("one pass", "tangential") else None
+    one_pass = mode in ("one pass", "tangential")
+    average = None  # the one-pass EMA, made at the end of step RECORD_FROM − 1 (see WeightEMA)
     evaluated = WeightAverage(params) if arm in AVERAGED else None
     curve = [dict(step=0, time=0.0, val_loss=task.val_loss(model), backward=0, forward=0)]
     train_time, predicted = 0.0, 0
@@ -92,7 +93,9 @@ def run(task, arm: str, lr: float, seed: int) -> dict:
         if recording:
             predictor.begin_step()
         optimizer.step()
-        if average is not None and step >= RECORD_FROM:
+        if one_pass and step == RECORD_FROM - 1:
+            average = WeightEMA(params, beta)
+        elif average is not None:
             average.update()
             if step >= FIRST_PREDICT and (step - FIRST_PREDICT) % REAL_BETWEEN == 0:
                 average.predict(PREDICTED, tangential=mode == "tangential")
@@ -125,7 +128,9 @@ class WeightEMA:
     ``1 − βⁿ`` after ``n`` updates, bias-corrected). That replaces the predictor's copy before
     the step, difference, norm and direction update (about six passes over the weights and a
     host read) by one ``lerp_``. A predicted step moves ``θ̄`` with ``θ``, so ``e`` and the
-    direction stay what the real updates made them."""
+    direction stay what the real updates made them. ``e`` must start at zero, so make it right
+    after the last update it should not count: any move between its making and its first
+    ``update`` would enter as one stale update, which the bias correction then inflates."""
 
     def __init__(self, params: list[torch.Tensor], beta: float):
         self.params, self.beta, self.n = params, beta, 0

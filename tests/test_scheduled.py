@@ -74,6 +74,34 @@ def test_weight_ema_direction_is_the_bias_corrected_ema_of_the_updates():
     torch.testing.assert_close(ema.direction()[0], direction)
 
 
+def test_one_pass_arm_predicts_the_ema_of_the_updates_since_recording_began(monkeypatch):
+    """The arm's first predicted step is the bias-corrected EMA of exactly the real updates from
+    RECORD_FROM to FIRST_PREDICT, with nothing from the steps before (a plain run of the same
+    seed makes the same updates up to there)."""
+    task = get_task("digits", quick=True)
+    models, make_model = [], task.make_model
+    task.make_model = lambda seed: models.append(make_model(seed)) or models[-1]
+    snapshots, optimizer_step = [], torch.optim.AdamW.step
+
+    def step_and_snapshot(self, *args, **kwargs):
+        loss = optimizer_step(self, *args, **kwargs)
+        if len(models) == 1:  # the plain run: weights after every real step
+            snapshots.append(torch.cat([p.detach().flatten().clone() for p in models[0].parameters()]))
+        return loss
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step_and_snapshot)
+    scheduled.run(task, "plain", 3e-3, 0)
+    predicted, predict = [], scheduled.WeightEMA.predict
+    monkeypatch.setattr(scheduled.WeightEMA, "predict", lambda self, steps, tangential=False: (
+        predicted.append(torch.cat([d.flatten() for d in self.direction()])), predict(self, steps, tangential)))
+    scheduled.run(task, "ema 0.99, α 1, one pass", 3e-3, 0)
+    beta, reference, weight = 0.99, torch.zeros_like(snapshots[0]), 0.0
+    for step in range(scheduled.RECORD_FROM, scheduled.FIRST_PREDICT + 1):  # snapshots[k] is after step k + 1
+        reference = beta * reference + (1 - beta) * (snapshots[step - 1] - snapshots[step - 2])
+        weight = beta * weight + (1 - beta)
+    torch.testing.assert_close(predicted[0], reference / weight, rtol=1e-4, atol=1e-7)
+
+
 def test_command_runs_the_named_arms_under_a_tag(tmp_path):
     argv = ["--task", "digits", "--quick", "--seeds", "1", "--arms", "ema 0.99, α 1, one pass", "--tag", "t",
             "--out", str(tmp_path)]
