@@ -567,7 +567,8 @@ def test_recorded_update_statistics_and_predicted_gain_match_a_float64_reference
         fits = [min(max(f, 0.0), 4.0) for f in fits]
         scales = fits if scales is None else [0.9 * s + 0.1 * f for s, f in zip(scales, fits)]
         assert predictor.scales.tolist() == pytest.approx(scales, rel=1e-5)
-        ema = [0.5 * d + 0.5 * u.double() for d, u in zip(ema, updates)]
+        weight = 0.5 / (1 - 0.5 ** (k + 1))  # bias-corrected EMA after k + 1 updates
+        ema = [(1 - weight) * d + weight * u.double() for d, u in zip(ema, updates)]
     grads = [torch.randn(p.shape, generator=gen) for p in params]
     grads[1] = None  # a parameter without a gradient contributes nothing
     expected = -sum(s * float((g.double() * d).sum()) for g, d, s in zip(grads, ema, scales) if g is not None)
