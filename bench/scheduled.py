@@ -19,7 +19,9 @@ Arms: ``plain``; ``ema β, α 1`` for β in 0.98 / 0.99 (scales fixed at 1); ``e
 weights' own EMA (:class:`WeightEMA`: one ``lerp_`` per real step instead of the predictor's
 bookkeeping); ``…, evaluated at its weight average``: plain and one-pass validated at the
 trainer's lag-corrected weight average (``hybrid_trainer.averaging``), training from the iterate;
-``…, tangential, …``: one pass without the direction's component along each weight matrix.
+``…, tangential, …``: one pass without the direction's component along each weight matrix;
+``drift 0.9/0.98, one pass, …``: predicted steps along the drift of the smoothed trajectory
+(:class:`WeightDrift`) instead of the EMA of the updates.
 ``--fork-trial JSON…`` analyses committed runs instead: their arms share every weight until the
 first predicted steps, so each pair is a fork, and :func:`fork_trial` reads off what a trial that
 runs both branches and keeps the better one would decide and cost.
@@ -45,7 +47,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from hybrid_trainer.averaging import WeightAverage
+from hybrid_trainer.averaging import FAST_BETA, SLOW_BETA, WeightAverage
 from hybrid_trainer.predictor import DeltaPredictor
 
 from .e2e import first_crossing, mean_std, plot_seed_curves, summarise_against_plain
@@ -59,16 +61,21 @@ EVAL_EVERY = 25  # real steps between validations: resolves ~1.05x on a 600-step
 # predictor's EMA at scale 1, "fitted" = its least-squares scale, "one pass" = WeightEMA at scale 1,
 # "tangential" = the same without its component along each weight matrix (WeightEMA.predict):
 # the EMA of Adam's updates has a part along the weights, so repeating it grows weight norms;
-# is that the char-LM's harm?
+# is that the char-LM's harm? "drift" = the drift of the smoothed trajectory (WeightDrift), which
+# leaves out where the iterate sits in its oscillation: the best first-order worth on the char-LM
+# of the directions bench.predictors measured.
 ARMS = {"plain": None, "ema 0.98, α 1": (0.98, "unit"), "ema 0.99, α 1": (0.99, "unit"),
         "ema 0.98, fitted α": (0.98, "fitted"), "ema 0.98, α 1, one pass": (0.98, "one pass"),
         "ema 0.99, α 1, one pass": (0.99, "one pass"), "plain, evaluated at its weight average": None,
         "ema 0.99, α 1, one pass, evaluated at its weight average": (0.99, "one pass"),
-        "ema 0.99, α 1, one pass, tangential, evaluated at its weight average": (0.99, "tangential")}
+        "ema 0.99, α 1, one pass, tangential, evaluated at its weight average": (0.99, "tangential"),
+        "drift 0.9/0.98, one pass": (None, "drift"),
+        "drift 0.9/0.98, one pass, evaluated at its weight average": (None, "drift")}
 # Validated at the trainer's lag-corrected weight average (hybrid_trainer.averaging), training
 # from the iterate: does extrapolation add to what averaging gives for free?
 AVERAGED = {"plain, evaluated at its weight average", "ema 0.99, α 1, one pass, evaluated at its weight average",
-            "ema 0.99, α 1, one pass, tangential, evaluated at its weight average"}
+            "ema 0.99, α 1, one pass, tangential, evaluated at its weight average",
+            "drift 0.9/0.98, one pass, evaluated at its weight average"}
 
 
 def run(task, arm: str, lr: float, seed: int) -> dict:
@@ -79,7 +86,7 @@ def run(task, arm: str, lr: float, seed: int) -> dict:
     stream = task.batches(seed)
     beta, mode = ARMS[arm] or (None, None)
     predictor = DeltaPredictor(params, direction="ema", ema_beta=beta) if mode in ("unit", "fitted") else None
-    one_pass = mode in ("one pass", "tangential")
+    one_pass = mode in ("one pass", "tangential", "drift")
     average = None  # the one-pass EMA, made at the end of step RECORD_FROM − 1 (see WeightEMA)
     evaluated = WeightAverage(params) if arm in AVERAGED else None
     curve = [dict(step=0, time=0.0, val_loss=task.val_loss(model), backward=0, forward=0)]
@@ -94,7 +101,7 @@ def run(task, arm: str, lr: float, seed: int) -> dict:
             predictor.begin_step()
         optimizer.step()
         if one_pass and step == RECORD_FROM - 1:
-            average = WeightEMA(params, beta)
+            average = WeightDrift(params) if mode == "drift" else WeightEMA(params, beta)
         elif average is not None:
             average.update()
             if step >= FIRST_PREDICT and (step - FIRST_PREDICT) % REAL_BETWEEN == 0:
@@ -156,12 +163,60 @@ class WeightEMA:
         order where it was; vectors (biases, norm gains) keep their full direction."""
         direction = self.direction()
         if tangential:
-            for d, p in zip(direction, self.params):
-                if p.dim() >= 2:
-                    d.sub_(p, alpha=float((d * p).sum() / (p * p).sum().clamp_min(1e-30)))
+            _remove_radial_part(direction, self.params)
         for _ in range(steps):
             torch._foreach_add_(self.params, direction)
         torch._foreach_add_(self.average, direction, alpha=float(steps))
+
+
+def _remove_radial_part(direction: list[torch.Tensor], params: list[torch.Tensor]) -> None:
+    """In place: for each tensor of two or more dimensions, the direction's projection on it."""
+    for d, p in zip(direction, params):
+        if p.dim() >= 2:
+            d.sub_(p, alpha=float((d * p).sum() / (p * p).sum().clamp_min(1e-30)))
+
+
+class WeightDrift:
+    """The drift per real step of the smoothed weight trajectory, from two one-pass EMAs.
+
+    ``fast = EMA_0.9(θ)`` and ``slow = EMA_0.98(θ)`` (the weight average's pair,
+    ``hybrid_trainer.averaging``) trail a point moving at a constant rate by their lags, so
+    ``(fast − slow) / (lag_slow − lag_fast)`` is that rate. Both start at the weights at the end
+    of the step before the first ``update``; after ``n`` updates a lag is ``β (1 − βⁿ) / (1 − β)``
+    (exact for constant motion). Unlike the EMA of the updates (``WeightEMA``, ``(1 − β)/β ·
+    (θ − θ̄)``), it does not see where the iterate sits now, so the part of its oscillation
+    across the valley that the last steps left is not repeated. Costs two ``lerp_`` per update."""
+
+    def __init__(self, params: list[torch.Tensor]):
+        self.params, self.n = params, 0
+        self.fast = [p.detach().clone() for p in params]
+        self.slow = [p.detach().clone() for p in params]
+
+    @torch.no_grad()
+    def update(self) -> None:
+        current = [p.detach() for p in self.params]
+        torch._foreach_lerp_(self.fast, current, 1 - FAST_BETA)
+        torch._foreach_lerp_(self.slow, current, 1 - SLOW_BETA)
+        self.n += 1
+
+    @torch.no_grad()
+    def direction(self) -> list[torch.Tensor]:
+        lags = [beta * (1 - beta ** self.n) / (1 - beta) for beta in (FAST_BETA, SLOW_BETA)]
+        direction = torch._foreach_sub(self.fast, self.slow)
+        torch._foreach_div_(direction, lags[1] - lags[0])
+        return direction
+
+    @torch.no_grad()
+    def predict(self, steps: int, tangential: bool = False) -> None:
+        """``steps`` predicted steps along the drift; both EMAs move with the weights, so the
+        drift stays what the real updates made it."""
+        direction = self.direction()
+        if tangential:
+            _remove_radial_part(direction, self.params)
+        for _ in range(steps):
+            torch._foreach_add_(self.params, direction)
+        torch._foreach_add_(self.fast, direction, alpha=float(steps))
+        torch._foreach_add_(self.slow, direction, alpha=float(steps))
 
 
 def analyse(task, runs: dict[str, list[dict]]) -> dict:

@@ -102,6 +102,34 @@ def test_one_pass_arm_predicts_the_ema_of_the_updates_since_recording_began(monk
     torch.testing.assert_close(predicted[0], reference / weight, rtol=1e-4, atol=1e-7)
 
 
+def test_weight_drift_is_the_rate_of_a_steadily_moving_point_from_the_first_update():
+    gen = torch.Generator().manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(4, 5, generator=gen, dtype=torch.float64))
+    velocity = torch.randn(4, 5, generator=gen, dtype=torch.float64)
+    drift = scheduled.WeightDrift([param])
+    for _ in range(3):  # lags still far from β / (1 − β): the small-n correction matters
+        with torch.no_grad():
+            param += velocity
+        drift.update()
+        torch.testing.assert_close(drift.direction()[0], velocity)
+    # Predicted steps move the weights along it and leave it as it was.
+    before, d = param.detach().clone(), drift.direction()[0]
+    drift.predict(4)
+    torch.testing.assert_close(param.detach(), before + 4 * d)
+    torch.testing.assert_close(drift.direction()[0], d)
+    # An oscillation around the steady path mostly cancels in the drift, not in the EMA of the updates.
+    wobbly = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    drift, ema = scheduled.WeightDrift([wobbly]), scheduled.WeightEMA([wobbly], 0.99)
+    rate = torch.tensor([0.01, 0.0], dtype=torch.float64)
+    for step in range(1, 401):
+        with torch.no_grad():
+            wobbly.copy_(rate * step + torch.tensor([0.0, 1.0 if step % 2 else -1.0], dtype=torch.float64))
+        drift.update()
+        ema.update()
+    torch.testing.assert_close(drift.direction()[0][0], rate[0], rtol=1e-6, atol=0)
+    assert abs(float(drift.direction()[0][1])) < 0.2 * abs(float(ema.direction()[0][1]))
+
+
 def test_command_runs_the_named_arms_under_a_tag(tmp_path):
     argv = ["--task", "digits", "--quick", "--seeds", "1", "--arms", "ema 0.99, α 1, one pass", "--tag", "t",
             "--out", str(tmp_path)]
