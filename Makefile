@@ -84,12 +84,17 @@ bench-worth: data
 	$(PY) -m bench.confidence --out docs/results
 	$(PY) -m bench.e2e --tasks fashion charlm --presets forced --seeds 3 --out docs/results/forced
 	$(PY) -m bench.scheduled --task fashion --out docs/results
-	$(PY) -m bench.scheduled --task charlm --out docs/results
+	$(PY) -m bench.scheduled --task charlm --arms 'ema 0.98, α 1' 'ema 0.99, α 1' 'ema 0.98, fitted α' --out docs/results
+	$(PY) -m bench.scheduled --task charlm --arms 'ema 0.98, α 1, one pass' 'ema 0.99, α 1, one pass' --tag one_pass --out docs/results
+	for task in fashion charlm; do $(PY) -m bench.scheduled --task $$task --arms 'plain, evaluated at its weight average' \
+	  'drift 0.9/0.98, one pass' 'drift 0.9/0.98, one pass, evaluated at its weight average' --tag drift --out docs/results; done
 	for task in fashion charlm; do $(PY) -m bench.scheduled --task $$task --arms 'plain, evaluated at its weight average' \
 	  'ema 0.99, α 1, one pass, evaluated at its weight average' \
 	  'ema 0.99, α 1, one pass, tangential, evaluated at its weight average' --tag tangential --out docs/results; done
 	$(PY) -m bench.scheduled --task charlm --seeds 2 --steps 1800 --arms 'plain, evaluated at its weight average' \
 	  'ema 0.99, α 1, one pass, evaluated at its weight average' --tag steps1800 --out docs/results
+	$(PY) -m bench.scheduled --task fashion --lr 0.002 --arms 'plain, evaluated at its weight average' \
+	  'ema 0.99, α 1, one pass' 'ema 0.99, α 1, one pass, evaluated at its weight average' --tag lr2x --out docs/results
 	$(PY) -m bench.scheduled --fork-trial docs/results/scheduled_fashion_tangential.json docs/results/scheduled_fashion_lr2x.json \
 	  docs/results/scheduled_charlm_tangential.json docs/results/scheduled_charlm_one_pass.json --out docs/results
 
