@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from hybrid_trainer.averaging import FAST_BETA, SLOW_BETA, WeightAverage
+from hybrid_trainer.averaging import FAST_BETA, SLOW_BETA, WeightAverage, lag
 from hybrid_trainer.predictor import DeltaPredictor
 
 from .e2e import first_crossing, mean_std, plot_seed_curves, summarise_against_plain
@@ -201,7 +201,7 @@ class WeightDrift:
 
     @torch.no_grad()
     def direction(self) -> list[torch.Tensor]:
-        lags = [beta * (1 - beta ** self.n) / (1 - beta) for beta in (FAST_BETA, SLOW_BETA)]
+        lags = [lag(beta) * (1 - beta ** self.n) for beta in (FAST_BETA, SLOW_BETA)]  # lag after n updates
         direction = torch._foreach_sub(self.fast, self.slow)
         torch._foreach_div_(direction, lags[1] - lags[0])
         return direction
