@@ -13,7 +13,7 @@ PIP_FLAGS ?= --quiet --disable-pip-version-check
 FASHION := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install data test demo bench bench-e2e bench-nowcast bench-worth clean
+.PHONY: install data test demo bench bench-e2e bench-nowcast bench-worth bench-summary clean
 
 install: $(STAMP)
 
@@ -51,6 +51,7 @@ bench: $(STAMP)
 # Full end-to-end benchmark (charlm, fashion, digits; 3 seeds); writes docs/results/e2e*.
 bench-e2e: data
 	$(PY) -m bench.e2e --out docs/results
+	$(PY) -m bench.summary
 
 # Learned nowcaster, cross-parameter (DMD) nowcasts and trajectory jumps (~35 min): fit on source
 # tasks, evaluate on fashion and charlm, write docs/results/nowcast.md.
@@ -65,6 +66,7 @@ bench-nowcast: data
 	$(PY) -m bench.nowcast dmd --task fashion --out docs/results
 	$(PY) -m bench.nowcast dmd --task charlm --out docs/results
 	$(PY) -m bench.nowcast report --out docs/results
+	$(PY) -m bench.summary
 
 # Worth of predicted steps against batch size, full-batch digits end to end, the worth signal
 # driving the learning rate, warmup-cosine schedules and gradient clipping for reference, and
@@ -97,6 +99,12 @@ bench-worth: data
 	  'ema 0.99, α 1, one pass' 'ema 0.99, α 1, one pass, evaluated at its weight average' --tag lr2x --out docs/results
 	$(PY) -m bench.scheduled --fork-trial docs/results/scheduled_fashion_tangential.json docs/results/scheduled_fashion_lr2x.json \
 	  docs/results/scheduled_charlm_tangential.json docs/results/scheduled_charlm_one_pass.json --out docs/results
+	$(PY) -m bench.summary
+
+# Every arm of the results above against its run's plain AdamW loop, one table and one plot
+# (reads docs/results, trains nothing; seconds): docs/results/summary.{md,json,png}.
+bench-summary: $(STAMP)
+	$(PY) -m bench.summary
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .benchmarks
