@@ -164,6 +164,29 @@ def test_resume_reproduces_the_uninterrupted_run_bit_exactly(stream, tmp_path):
     assert reference.statistics()["predicted_steps"] == resumed.statistics()["predicted_steps"]
 
 
+def test_load_restores_every_random_stream_the_saved_run_would_have_drawn(stream, tmp_path):
+    """A user's dropout, augmentation or sampler draws from torch, Python's ``random`` or NumPy:
+    after ``load`` each must continue where the saved run was (through the file, as
+    ``weights_only`` loading reads it), whatever was drawn in between."""
+    import random
+
+    import numpy as np
+
+    def draw():
+        return torch.rand(4).tolist(), [random.random() for _ in range(4)], np.random.rand(4).tolist()
+
+    trainer = make_trainer()
+    trainer.step(stream[0])
+    torch.manual_seed(5)
+    random.seed(5)
+    np.random.seed(5)
+    trainer.save(tmp_path / "ckpt.pt")
+    continued = draw()
+    draw()  # the streams move on
+    make_trainer().load(tmp_path / "ckpt.pt")
+    assert draw() == continued
+
+
 def test_checkpoint_file_is_written_atomically(tmp_path, stream):
     trainer = make_trainer()
     trainer.step(stream[0])
