@@ -752,3 +752,18 @@ def test_weight_average_survives_a_resume_and_starts_fresh_from_a_checkpoint_wit
     assert started.weight_average.updates == 0
     for p, e in zip(started.params, started.weight_average.estimate()):
         assert torch.equal(p.detach(), e)  # an average of the loaded weights only
+
+
+def test_worth_is_the_predicted_gain_in_units_of_a_real_steps_loss_decrease(monkeypatch):
+    """The gate's worth: EMA (β 0.9) of the predicted step's first-order gain divided by the loss
+    decrease per real step; 0 while the loss is not falling."""
+    trainer = make_trainer()
+    gains, slopes = iter([0.03, 0.01, 0.02]), iter([-0.1, -0.1, 0.05])
+    monkeypatch.setattr(trainer.predictor, "predicted_gain", lambda grads: next(gains))
+    monkeypatch.setattr(trainer.loss_trend, "slope", lambda: next(slopes))
+    trainer._measure_worth()
+    assert trainer.predicted_worth == pytest.approx(0.3)
+    trainer._measure_worth()
+    assert trainer.predicted_worth == pytest.approx((0.9 * 0.03 + 0.1 * 0.01) / 0.1)
+    trainer._measure_worth()
+    assert trainer.predicted_worth == 0.0
