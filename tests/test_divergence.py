@@ -394,3 +394,13 @@ def test_check_gives_exactly_the_reference_findings(case):
         accepted_grads.append(grad_norm)
     assert monitor.counts == expected_counts
     assert monitor.history_length == min(len(accepted), max(monitor.window, monitor.oscillation_window + 1))
+
+
+def test_a_vanished_gradient_history_is_no_reference_for_an_explosion():
+    """After a stretch of zero gradients (a frozen or saturated model) any finite norm is
+    'infinitely' larger than the median; that is the vanish regime, not a spike to roll back."""
+    monitor = fed_monitor([1.0] * 30, [0.0] * 30)
+    report = monitor.check(1.0, 1.0)
+    assert not report.critical, report.reasons
+    # With a healthy history the same factor is an explosion.
+    assert fed_monitor([1.0] * 30, [0.01] * 30).check(1.0, 1.0).critical

@@ -143,6 +143,27 @@ def test_nan_gradient_never_reaches_the_weights(stream):
     assert not result.skipped and all(torch.isfinite(p).all() for p in trainer.params)
 
 
+def assert_same_state(got, want, path="state"):
+    """Recursive equality of two state dicts: tensors bit for bit, NaN equal to NaN."""
+    assert type(got) is type(want), f"{path}: {type(got).__name__} vs {type(want).__name__}"
+    if isinstance(want, dict):
+        assert got.keys() == want.keys(), path
+        for key in want:
+            assert_same_state(got[key], want[key], f"{path}[{key!r}]")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), path
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_same_state(g, w, f"{path}[{i}]")
+    elif isinstance(want, torch.Tensor):
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(
+            torch.nan_to_num(got, nan=0.5), torch.nan_to_num(want, nan=0.5)) and torch.equal(
+            got.isnan(), want.isnan()), path
+    elif isinstance(want, float) and math.isnan(want):
+        assert math.isnan(got), path
+    else:
+        assert got == want, path
+
+
 def test_resume_reproduces_the_uninterrupted_run_bit_exactly(stream, tmp_path):
     steps, cut = 70, 37
     reference = make_trainer(**ALWAYS)
@@ -155,6 +176,9 @@ def test_resume_reproduces_the_uninterrupted_run_bit_exactly(stream, tmp_path):
     first.save(tmp_path / "ckpt.pt")
     resumed = make_trainer(seed=123, **ALWAYS)  # different init: everything must come from the file
     resumed.load(tmp_path / "ckpt.pt")
+    # Every part of the state, not only what these 33 steps happen to read (anchor, dynamics
+    # model, state history, monitor, worth, forecast ...).
+    assert_same_state(resumed.state_dict(), first.state_dict())
     resumed_results = [resumed.step(b) for b in stream[cut:steps]]
 
     for p, q in zip(reference.params, resumed.params):
@@ -271,8 +295,33 @@ def test_gradients_left_by_the_caller_are_cleared_and_none_are_left_behind(strea
 
 def test_bfloat16_autocast_on_cpu(stream):
     trainer = make_trainer(autocast_dtype="bfloat16")
+    output_dtypes = []
+
+    def loss_fn(model, batch):
+        x, y = batch
+        logits = model(x)
+        output_dtypes.append(logits.dtype)
+        return torch.nn.functional.cross_entropy(logits.float(), y)
+
+    trainer.loss_fn = loss_fn
     results = [trainer.step(b) for b in stream[:12]]
     assert all(math.isfinite(r.loss) for r in results if r.loss is not None)
+    assert output_dtypes and set(output_dtypes) == {torch.bfloat16}  # the forward ran under autocast
+    assert all(p.dtype == torch.float32 for p in trainer.params)  # the weights stay in full precision
+
+
+def test_clipped_real_steps_are_the_plain_clipped_loop(stream):
+    trainer = make_trainer(**{**ALWAYS, "predict": False, "grad_clip": 0.5})
+    plain = mlp(0)
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=0.05)
+    for batch in stream[:15]:
+        trainer.step(batch)
+        optimizer.zero_grad(set_to_none=True)
+        cross_entropy(plain, batch).backward()
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.5)
+        optimizer.step()
+    for p, q in zip(trainer.params, plain.parameters()):
+        assert torch.equal(p.detach(), q.detach())
 
 
 def test_metrics_jsonl_and_summary(stream, tmp_path):
