@@ -155,9 +155,7 @@ def assert_same_state(got, want, path="state"):
         for i, (g, w) in enumerate(zip(got, want)):
             assert_same_state(g, w, f"{path}[{i}]")
     elif isinstance(want, torch.Tensor):
-        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(
-            torch.nan_to_num(got, nan=0.5), torch.nan_to_num(want, nan=0.5)) and torch.equal(
-            got.isnan(), want.isnan()), path
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=path)
     elif isinstance(want, float) and math.isnan(want):
         assert math.isnan(got), path
     else:
