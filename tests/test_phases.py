@@ -1,4 +1,4 @@
-"""The phase machine's switch-off rules, driven directly (no model)."""
+"""The phase machine driven directly (no model): length choice, back-off, rejection and worth switch-offs."""
 import pytest
 
 from hybrid_trainer import HybridConfig, Phase
@@ -74,3 +74,74 @@ def test_decline_margins_survive_a_checkpoint_and_old_states_load():
 def test_fewer_than_three_or_scattered_declines_do_not_end_early(margins):
     n, _ = decisions_until_off(margins)
     assert n is None
+
+
+def controller_in_full(**overrides):
+    config = HybridConfig(**{**dict(warmup_steps=2, full_steps=3, correct_steps=2, predict_lengths=(4, 8, 16),
+                                    confidence_threshold=0.5, use_bandit=False), **overrides})
+    controller = PhaseController(config)
+    finish_phase(controller, None)  # WARMUP → FULL
+    assert controller.phase is Phase.FULL
+    return controller
+
+
+def end_phase(controller, confidence, margin=0.1):
+    for _ in range(controller.length - controller.phase_step):
+        controller.advance(confidence, worth_margin=margin)
+
+
+def test_the_longest_horizon_still_confident_is_chosen():
+    controller = controller_in_full()
+    end_phase(controller, lambda h: {4: 0.9, 8: 0.6, 16: 0.4}[h])
+    assert (controller.phase, controller.length) == (Phase.PREDICT, 8)
+    # A confident long horizon behind an unconfident short one does not count: confidence falls with h.
+    controller = controller_in_full()
+    end_phase(controller, lambda h: {4: 0.4, 8: 0.9, 16: 0.9}[h])
+    assert controller.phase is Phase.FULL
+
+
+def test_rejections_double_the_full_phase_and_switch_prediction_off_at_the_limit():
+    controller = controller_in_full(max_consecutive_rejections=3)
+    confident = lambda h: 1.0  # noqa: E731
+    for rejections, backoff in ((1, 2), (2, 4)):
+        end_phase(controller, confident)
+        assert controller.phase is Phase.PREDICT
+        controller.reject_predict_phase()
+        assert (controller.phase, controller.backoff, controller.prediction_enabled) == (Phase.CORRECT, backoff, True)
+        end_phase(controller, confident)  # CORRECT after a rejection → FULL, lengthened by the back-off
+        assert (controller.phase, controller.length) == (Phase.FULL, 3 * backoff)
+    end_phase(controller, confident)
+    controller.reject_predict_phase()
+    assert not controller.prediction_enabled and "3 predict phases in a row were rejected" in controller.disabled_reason
+
+
+def test_an_accepted_predict_phase_resets_the_back_off_and_the_rejection_count():
+    controller = controller_in_full(max_consecutive_rejections=2)
+    confident = lambda h: 1.0  # noqa: E731
+    end_phase(controller, confident)
+    controller.reject_predict_phase()
+    end_phase(controller, confident)  # CORRECT → FULL (length 6)
+    end_phase(controller, confident)  # FULL → PREDICT
+    end_phase(controller, confident)  # PREDICT completes: accepted
+    assert (controller.phase, controller.backoff, controller.consecutive_rejections) == (Phase.CORRECT, 1, 0)
+    end_phase(controller, confident)  # CORRECT → PREDICT again (cycles below max_consecutive_predict)
+    controller.reject_predict_phase()
+    assert controller.prediction_enabled  # one rejection in a row, not two
+
+
+def test_predict_correct_cycles_end_in_a_full_phase_after_max_consecutive_predict():
+    controller = controller_in_full(max_consecutive_predict=2)
+    confident = lambda h: 1.0  # noqa: E731
+    phases = []
+    for _ in range(5):
+        end_phase(controller, confident)
+        phases.append(controller.phase)
+    assert phases == [Phase.PREDICT, Phase.CORRECT, Phase.PREDICT, Phase.CORRECT, Phase.FULL]
+
+
+def test_acceptance_estimate_is_the_beta_posterior_mean():
+    controller = controller_in_full()
+    assert controller.acceptance_estimate() == 0.5
+    for accepted in (True, True, True, False):
+        controller.record_verification(accepted)
+    assert controller.acceptance_estimate() == pytest.approx(4 / 6)
