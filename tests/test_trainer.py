@@ -395,11 +395,18 @@ def test_bad_constructor_arguments():
         HybridTrainer(model, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1), cross_entropy)
 
 
-def test_bandit_over_predict_lengths_runs(stream):
+def test_bandit_over_predict_lengths_chooses_and_learns(stream):
     trainer = make_trainer(**ALWAYS, use_bandit=True, predict_lengths=(2, 4))
+    chosen = []
     for b in stream[:80]:
+        entering = trainer.controller.phase is not Phase.PREDICT
         trainer.step(b)
+        if entering and trainer.controller.phase is Phase.PREDICT:
+            chosen.append((trainer.controller.length, trainer.controller.bandit_arm))
     assert trainer.stats.predict_phases > 0
+    assert chosen and all(length == arm for length, arm in chosen)  # every length was the bandit's pick
+    finished = trainer.stats.predict_phases - (trainer.controller.phase is Phase.PREDICT)
+    assert sum(trainer.controller.bandit.pulls) == finished  # each finished phase updated the bandit
 
 
 @pytest.mark.slow
