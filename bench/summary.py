@@ -91,8 +91,9 @@ def read_e2e(data: dict) -> list[tuple[str, float | None, float | None, int, int
         step_ratios = [r for r in (_ratio(reference[s["seed"]]["backward_to_target"], s["backward_to_target"])
                                    for s in seeds) if r is not None]
         summary = arm["summary"]
+        step = statistics.fmean(step_ratios) if step_ratios else None
         rows.append((name + _lr_note(name, arm.get("lr"), tuned), _finite(summary["speedup_vs_baseline"]["mean"]),
-                     statistics.fmean(step_ratios) if step_ratios else None, int(summary["reached_target"]), len(seeds)))
+                     step, int(summary["reached_target"]), len(seeds)))
     return rows
 
 

@@ -11,10 +11,14 @@ def never_confident(horizon):
     return 0.0
 
 
-def finish_phase(controller, margin):
+def always_confident(horizon):
+    return 1.0
+
+
+def finish_phase(controller, margin, confidence=never_confident):
     """Advance to the end of the current phase; the decision sees ``worth − required = margin``."""
     for _ in range(controller.length - controller.phase_step):
-        controller.advance(never_confident, worth_margin=margin)
+        controller.advance(confidence, worth_margin=margin)
 
 
 def decisions_until_off(margins):
@@ -85,56 +89,48 @@ def controller_in_full(**overrides):
     return controller
 
 
-def end_phase(controller, confidence, margin=0.1):
-    for _ in range(controller.length - controller.phase_step):
-        controller.advance(confidence, worth_margin=margin)
-
-
 def test_the_longest_horizon_still_confident_is_chosen():
     controller = controller_in_full()
-    end_phase(controller, lambda h: {4: 0.9, 8: 0.6, 16: 0.4}[h])
+    finish_phase(controller, 0.1, lambda h: {4: 0.9, 8: 0.6, 16: 0.4}[h])
     assert (controller.phase, controller.length) == (Phase.PREDICT, 8)
     # A confident long horizon behind an unconfident short one does not count: confidence falls with h.
     controller = controller_in_full()
-    end_phase(controller, lambda h: {4: 0.4, 8: 0.9, 16: 0.9}[h])
+    finish_phase(controller, 0.1, lambda h: {4: 0.4, 8: 0.9, 16: 0.9}[h])
     assert controller.phase is Phase.FULL
 
 
 def test_rejections_double_the_full_phase_and_switch_prediction_off_at_the_limit():
     controller = controller_in_full(max_consecutive_rejections=3)
-    confident = lambda h: 1.0  # noqa: E731
     for rejections, backoff in ((1, 2), (2, 4)):
-        end_phase(controller, confident)
+        finish_phase(controller, 0.1, always_confident)
         assert controller.phase is Phase.PREDICT
         controller.reject_predict_phase()
         assert (controller.phase, controller.backoff, controller.prediction_enabled) == (Phase.CORRECT, backoff, True)
-        end_phase(controller, confident)  # CORRECT after a rejection → FULL, lengthened by the back-off
+        finish_phase(controller, 0.1, always_confident)  # CORRECT after a rejection → FULL, backed off
         assert (controller.phase, controller.length) == (Phase.FULL, 3 * backoff)
-    end_phase(controller, confident)
+    finish_phase(controller, 0.1, always_confident)
     controller.reject_predict_phase()
     assert not controller.prediction_enabled and "3 predict phases in a row were rejected" in controller.disabled_reason
 
 
 def test_an_accepted_predict_phase_resets_the_back_off_and_the_rejection_count():
     controller = controller_in_full(max_consecutive_rejections=2)
-    confident = lambda h: 1.0  # noqa: E731
-    end_phase(controller, confident)
+    finish_phase(controller, 0.1, always_confident)
     controller.reject_predict_phase()
-    end_phase(controller, confident)  # CORRECT → FULL (length 6)
-    end_phase(controller, confident)  # FULL → PREDICT
-    end_phase(controller, confident)  # PREDICT completes: accepted
+    finish_phase(controller, 0.1, always_confident)  # CORRECT → FULL (length 6)
+    finish_phase(controller, 0.1, always_confident)  # FULL → PREDICT
+    finish_phase(controller, 0.1, always_confident)  # PREDICT completes: accepted
     assert (controller.phase, controller.backoff, controller.consecutive_rejections) == (Phase.CORRECT, 1, 0)
-    end_phase(controller, confident)  # CORRECT → PREDICT again (cycles below max_consecutive_predict)
+    finish_phase(controller, 0.1, always_confident)  # CORRECT → PREDICT again (cycles below max_consecutive_predict)
     controller.reject_predict_phase()
     assert controller.prediction_enabled  # one rejection in a row, not two
 
 
 def test_predict_correct_cycles_end_in_a_full_phase_after_max_consecutive_predict():
     controller = controller_in_full(max_consecutive_predict=2)
-    confident = lambda h: 1.0  # noqa: E731
     phases = []
     for _ in range(5):
-        end_phase(controller, confident)
+        finish_phase(controller, 0.1, always_confident)
         phases.append(controller.phase)
     assert phases == [Phase.PREDICT, Phase.CORRECT, Phase.PREDICT, Phase.CORRECT, Phase.FULL]
 

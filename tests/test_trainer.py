@@ -1,8 +1,10 @@
 """HybridTrainer behaviour: every claim of the design has a test here that fails if it breaks."""
 import json
 import math
+import random
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -190,10 +192,6 @@ def test_load_restores_every_random_stream_the_saved_run_would_have_drawn(stream
     """A user's dropout, augmentation or sampler draws from torch, Python's ``random`` or NumPy:
     after ``load`` each must continue where the saved run was (through the file, as
     ``weights_only`` loading reads it), whatever was drawn in between."""
-    import random
-
-    import numpy as np
-
     def draw():
         return torch.rand(4).tolist(), [random.random() for _ in range(4)], np.random.rand(4).tolist()
 
