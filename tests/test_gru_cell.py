@@ -1,5 +1,7 @@
 """gru_cell: Triton (interpreted on CPU) vs the eager reference, the eager reference vs
 torch.nn.GRUCell, gradcheck of the hand-written eager backward, and argument checks."""
+import importlib
+
 import pytest
 import torch
 
@@ -120,6 +122,22 @@ def test_pointwise_backward_kernel_matches_eager_on_arbitrary_workspace(triton_b
                     torch.randn(members, batch, hidden)], dim=-1).to(device)
     for got, want in zip(_gates_backward_triton(grad, h, ws), _gates_backward_eager(grad, h, ws)):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_triton_tiles_hidden_units_wider_than_one_block(monkeypatch, device):
+    """H above the kernels' column block: several column tiles per row plus a partial last one
+    (40 = 16 + 16 + 8). The interpreter's block (16384) is never exceeded by the other tests, so
+    without a smaller block a dropped column offset or a single column tile would pass."""
+    kernels = importlib.import_module("hybrid_kernels.gru_cell")
+    monkeypatch.setattr(kernels, "_MAX_BLOCK_H", 16)
+    members, batch, in_features, hidden = 2, 3, 5, 40
+    assert kernels._tile_shape(members * batch, hidden) == (8, 16)  # 3 column tiles, the last partial
+    args = make_inputs(members, batch, in_features, hidden, device=device)
+    grad_out = torch.randn(members, batch, hidden, device=device)
+    out_t, grads_t = _run_backend(monkeypatch, "triton", args, grad_out)
+    out_e, grads_e = _run_backend(monkeypatch, "eager", args, grad_out)
+    torch.testing.assert_close(out_t, out_e, **TOLERANCE[torch.float32])
+    assert_grads_close(grads_t, grads_e, **TOLERANCE[torch.float32])
 
 
 def test_empty_batch(triton_backend, device):
