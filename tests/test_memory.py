@@ -282,6 +282,34 @@ def test_hysteresis_delays_rearming():
     assert [s.bytes_in_use for s in seen] == [960, 960]  # 940 is within 10% of 950: no re-arm; 800 re-arms
 
 
+@pytest.mark.parametrize("warning, critical, total", [(800, 950, None), (0.5, 0.75, 1000)],
+                         ids=["bytes", "fractions"])
+def test_usage_exactly_at_a_threshold_crosses_it(warning, critical, total):
+    """check()'s contract is usage >= threshold: a reading equal to a threshold is an event (and at
+    critical a callback), one byte below is not. Thresholds resolve exactly to whole bytes here."""
+    low, high = (800, 950) if total is None else (500, 750)
+    values = [low - 1, low, high - 1, high, low - 1, low, high]
+    seen = []
+    guard = guard_with(values, warning, critical, total=total,
+                       on_critical=lambda sample: seen.append(sample.bytes_in_use))
+    levels = [guard.check(step) for step in range(len(values))]
+    assert levels == ["ok", "warning", "warning", "critical", "ok", "warning", "critical"]
+    assert [(e["step"], e["level"], e["bytes_in_use"], e["threshold_bytes"]) for e in guard.events] == [
+        (1, "warning", low, low), (3, "critical", high, high), (5, "warning", low, low), (6, "critical", high, high)]
+    assert seen == [high, high]
+    assert guard.last_level == "critical"
+
+
+def test_hysteresis_rearms_only_strictly_below_the_band():
+    """Re-armed "once usage drops below (1 - hysteresis) * threshold": exactly at that level is not below."""
+    seen = []
+    guard = guard_with([1000, 500, 1000, 499, 1000], 400, 1000, total=None, on_critical=seen.append,
+                       hysteresis=0.5)
+    assert [guard.check(step) for step in range(5)] == ["critical", "warning", "critical", "warning", "critical"]
+    assert [(e["step"], e["level"]) for e in guard.events] == [(0, "warning"), (0, "critical"), (4, "critical")]
+    assert len(seen) == 2
+
+
 def test_critical_empties_the_cuda_cache_after_the_callback(monkeypatch):
     order = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
