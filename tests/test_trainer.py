@@ -1,4 +1,5 @@
 """HybridTrainer behaviour: every claim of the design has a test here that fails if it breaks."""
+import copy
 import json
 import math
 import random
@@ -90,6 +91,39 @@ def test_rejected_verification_rolls_back_bit_exactly(stream):
         assert torch.equal(p.detach(), saved)
     assert trainer.controller.phase is Phase.CORRECT
     assert trainer.stats.predicted_steps_rolled_back == 4
+
+
+def test_a_rejected_predict_phase_restarts_the_clock_from_the_anchor(stream):
+    """After a rejection: weights and optimizer state exactly those at the phase start, and a
+    CORRECT phase counted from step 0 that runs its full correct_steps, then a backed-off FULL
+    phase, then a new PREDICT phase whose anchor is taken at its own first step."""
+    trainer = make_trainer(**ALWAYS, loss_tolerance=0.0, noise_z=0.0)
+    i = run_until_phase(trainer, stream, Phase.PREDICT)
+    ctl = trainer.controller
+    assert (ctl.phase_step, ctl.length) == (0, 4)
+    at_phase_start = [p.detach().clone() for p in trainer.params]
+    optimizer_at_start = copy.deepcopy(trainer.optimizer.state_dict())
+    trainer.predictor.scales.fill_(50.0)  # a huge predicted step: the loss must go up
+    results = [trainer.step(stream[i + k]) for k in range(4)]
+    assert [r.phase for r in results] == ["PREDICT"] * 4
+    assert results[-1].rolled_back and results[-1].accepted is False
+    assert trainer.anchor.step == i
+    for p, anchored, saved in zip(trainer.params, trainer.anchor.state_dict()["params"], at_phase_start):
+        assert torch.equal(p.detach(), anchored) and torch.equal(p.detach(), saved)
+    assert_same_state(trainer.optimizer.state_dict(), optimizer_at_start)
+    assert (ctl.phase, ctl.phase_step, ctl.length, ctl.backoff) == (Phase.CORRECT, 0, 3, 2)
+
+    i += 4
+    clock = []
+    for k in range(3):
+        result = trainer.step(stream[i + k])
+        clock.append((result.phase, ctl.phase.value, ctl.phase_step))
+    assert clock == [("CORRECT", "CORRECT", 1), ("CORRECT", "CORRECT", 2), ("CORRECT", "FULL", 0)]
+    assert ctl.length == 2 * 8  # the FULL phase after a rejection is backed off
+    i = run_until_phase(trainer, stream, Phase.PREDICT, start=i + 3)
+    assert ctl.phase_step == 0
+    trainer.step(stream[i])
+    assert trainer.anchor.step == i and trainer.stats.predict_phases == 2
 
 
 def test_correct_phase_runs_backward_and_the_optimizer(stream):
@@ -479,8 +513,9 @@ def test_offload_while_predicting_leaves_the_run_unchanged(stream):
         assert torch.equal(p, q)
 
 
-def spiking_trainer(stream, **overrides):
-    """A trainer after 15 ordinary steps whose next loss (the 16th call) is 50 times too large."""
+def spiking_trainer(stream, after_step=None, **overrides):
+    """A trainer after 15 ordinary steps whose next loss (the 16th call) is 50 times too large.
+    ``after_step(trainer)`` runs after each of the 15 steps."""
     trainer = make_trainer(good_state_every=5, divergence={"min_history": 5}, **overrides)
     calls = {"n": 0}
 
@@ -492,6 +527,8 @@ def spiking_trainer(stream, **overrides):
     trainer.loss_fn = spiking
     for b in stream[:15]:
         trainer.step(b)
+        if after_step is not None:
+            after_step(trainer)
     return trainer
 
 
@@ -507,6 +544,31 @@ def test_loss_spike_restores_the_last_good_state(stream):
     assert trainer.controller.phase is Phase.FULL and trainer.stats.divergence_rollbacks == 1
     assert good_step <= 15
     assert not trainer.step(stream[16]).skipped  # and training goes on
+
+
+def test_loss_spike_restores_the_optimizer_state_of_the_last_good_state(stream):
+    """AdamW's exp_avg, exp_avg_sq and step go back to their values when the good state was
+    taken, not those of the steps since (restoring the weights alone would keep them)."""
+    taken = {}
+
+    def remember(trainer):
+        if trainer.good_state.step not in taken:
+            taken[trainer.good_state.step] = ([p.detach().clone() for p in trainer.params],
+                                              copy.deepcopy(trainer.optimizer.state_dict()))
+
+    trainer = spiking_trainer(stream, after_step=remember)
+    good_step = trainer.good_state.step
+    weights, optimizer_state = taken[good_step]
+    before_spike = copy.deepcopy(trainer.optimizer.state_dict())
+    assert before_spike["state"][0]["step"] > optimizer_state["state"][0]["step"]  # steps since the good state
+    assert set(optimizer_state["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+    result = trainer.step(stream[15])
+    assert result.skipped and result.rolled_back
+    assert_same_state(trainer.optimizer.state_dict(), optimizer_state)
+    for p, w in zip(trainer.params, weights):
+        assert torch.equal(p.detach(), w)
+    trainer.step(stream[16])  # Adam's step count goes on from the good state
+    assert trainer.optimizer.state_dict()["state"][0]["step"] == optimizer_state["state"][0]["step"] + 1
 
 
 def test_refused_step_under_fp16_grad_scaling_leaves_the_scaler_usable(stream):
