@@ -17,6 +17,8 @@ real steps and no measured worth repays them, so prediction switches itself off.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from .config import HybridConfig
 
 CALIBRATION_STEPS = {"core": 8, "recording": 8, "forecasting": 8, "dynamics_training": 3}
@@ -43,10 +45,13 @@ class PredictionCost:
 
     PARTS = tuple(CALIBRATION_STEPS)
 
-    def __init__(self, real_per_predicted: float):
+    def __init__(self, real_per_predicted: float, reduce: Callable[[float], float] | None = None):
         if real_per_predicted < 0:
             raise ValueError(f"real_per_predicted must be >= 0, got {real_per_predicted}")
         self.real_per_predicted = real_per_predicted
+        # Applied to each calibrated median: under DDP the mean over ranks, since each rank's
+        # clock differs and a rank with another threshold would take another path.
+        self.reduce = reduce
         self.samples: dict[str, list[float]] = {part: [] for part in self.PARTS}
         self.seconds: dict[str, float | None] = {part: None for part in self.PARTS}
 
@@ -58,7 +63,8 @@ class PredictionCost:
         if len(self.samples[part]) == CALIBRATION_STEPS[part]:
             ordered = sorted(self.samples[part])
             n = len(ordered)
-            self.seconds[part] = 0.5 * (ordered[(n - 1) // 2] + ordered[n // 2])  # median
+            median = 0.5 * (ordered[(n - 1) // 2] + ordered[n // 2])
+            self.seconds[part] = median if self.reduce is None else self.reduce(median)
             self.samples[part] = []
 
     def calibrating(self, part: str) -> bool:

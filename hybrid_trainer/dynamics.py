@@ -150,10 +150,12 @@ class DynamicsModel(nn.Module):
         return self.last_train_loss
 
     @torch.no_grad()
-    def forecast(self, score: bool = True) -> dict[str, torch.Tensor] | None:
+    def forecast(self, score: bool = True, agree=None) -> dict[str, torch.Tensor] | None:
         """Forecast from the latest state: loss change per horizon (loss units, float64 [H], on the CPU):
         ``mean`` over members, ``epistemic`` (member spread) and ``aleatoric`` (predicted std).
-        With ``score``, the forecast is compared with the real losses as they arrive."""
+        With ``score``, the forecast is compared with the real losses as they arrive. ``agree``
+        (a ``[3, H]`` tensor to the same on every rank, e.g. rank 0's) is applied before both, so
+        ranks whose models drifted apart by nondeterministic kernels still decide alike."""
         if not self.ready():
             return None
         ends = torch.tensor([self.count - 1])
@@ -164,6 +166,8 @@ class DynamicsModel(nn.Module):
         # Moved to the host in one read: only host logic (scoring, confidence, verification)
         # consumes it, and each float() of a GPU tensor would wait for the device.
         summary = torch.stack([mean.mean(0), mean.std(0, unbiased=False), aleatoric]).cpu()
+        if agree is not None:
+            summary = agree(summary)
         result = {"mean": summary[0], "epistemic": summary[1], "aleatoric": summary[2]}
         if score:
             self._pending[self.count - 1] = result["mean"].clone()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -39,6 +40,7 @@ from .anchor import WeightAnchor
 from .averaging import WeightAverage
 from .config import HybridConfig
 from .cost import PredictionCost, real_steps_per_predicted
+from .distributed import RankSync, unwrap
 from .divergence import DivergenceMonitor, Severity
 from .dynamics import DynamicsModel
 from .memory import MemoryProfiler, VRAMGuard, default_reader
@@ -114,7 +116,9 @@ class HybridTrainer:
     """Train ``model`` with ``optimizer`` on ``loss_fn``, predicting some updates.
 
     Args:
-        model: any ``nn.Module``; all trainable parameters on one device.
+        model: any ``nn.Module``; all trainable parameters on one device. A
+            ``DistributedDataParallel`` model makes every rank decide alike
+            (:mod:`hybrid_trainer.distributed`); then ``save`` is collective.
         optimizer: any ``torch.optim.Optimizer`` over (a subset of) the model's parameters.
         loss_fn: ``loss_fn(model, batch) -> 0-d tensor`` (see module docstring).
         config: :class:`HybridConfig` (defaults if None).
@@ -141,6 +145,8 @@ class HybridTrainer:
         if not self.params:
             raise ValueError("optimizer holds none of the model's trainable parameters")
         self.device = self.params[0].device
+        self.ranks = RankSync(model)  # collectives that keep DDP ranks' decisions identical
+        self.ranks.check_same("config", config.to_dict())
 
         self.predictor = DeltaPredictor(self.params, config.direction, config.ema_beta, config.history_size,
                                         config.scale_beta, config.scale_max)
@@ -156,10 +162,12 @@ class HybridTrainer:
         self.monitor = DivergenceMonitor(**config.divergence)
         self.controller = PhaseController(config)
         self.loss_trend = LossTrend()
-        self.cost = PredictionCost(real_steps_per_predicted(config)) if config.cost_aware else None
+        self.cost = (PredictionCost(real_steps_per_predicted(config), reduce=self.ranks.mean_float)
+                     if config.cost_aware else None)
         # Per-step records go to the JSONL file only: kept in memory they would grow with the run.
+        # Under DDP the records agree on every rank (losses are averaged), so rank 0 writes them.
         self.metrics = (MetricsLogger(config.metrics_path, keep_records=False)
-                        if config.metrics_path is not None else None)
+                        if config.metrics_path is not None and self.ranks.is_writer else None)
         self.stats = RunStatistics()
         self.scaler = (torch.amp.GradScaler(self.device.type)
                        if config.autocast_dtype == "float16" else None)
@@ -173,7 +181,7 @@ class HybridTrainer:
         # The int8 update history ("linear" direction) is not read while predicting either.
         self.offloader = (StateOffloader(optimizer, extra=self.predictor.history_tensors)
                           if config.offload_while_predicting else None)
-        self.grad_checkpointing = self._make_grad_checkpointing(model, config)
+        self.grad_checkpointing = self._make_grad_checkpointing(unwrap(model), config)
 
         self.step_count = 0
         self._machinery_s = 0.0  # prediction machinery time within the current real step
@@ -254,7 +262,14 @@ class HybridTrainer:
 
     def _emergency_checkpoint(self, sample) -> None:
         path = self.config.emergency_checkpoint_path
-        if path is not None:
+        if path is None:
+            return
+        if self.ranks.active:
+            # Memory pressure is one rank's own: nothing collective may run here, so each rank
+            # that hits it writes its own file (the weights are the same on every rank).
+            self._state_home()
+            checkpoint.atomic_save(self.state_dict(), f"{path}.rank{self.ranks.rank}")
+        else:
             self.save(path)
 
     def _micro_batches(self, batch: Any) -> Sequence[Any]:
@@ -297,16 +312,18 @@ class HybridTrainer:
             self.optimizer.zero_grad(set_to_none=True)
         micro = self._micro_batches(batch)
         loss_sum = None
-        for part in micro:
-            loss = self._loss(part)
-            if len(micro) > 1:  # dividing by 1 is exact but would add a node to the autograd graph
-                loss = loss / len(micro)
-            # Every micro-batch goes backward, even after a non-finite loss (the update is refused
-            # below): reading the loss here would stall a GPU's queue once more per step.
-            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        for index, part in enumerate(micro):
+            with self.ranks.micro_batch_context(self.model, last=index == len(micro) - 1):
+                loss = self._loss(part)
+                if len(micro) > 1:  # dividing by 1 is exact but would add a node to the autograd graph
+                    loss = loss / len(micro)
+                # Every micro-batch goes backward, even after a non-finite loss (the update is
+                # refused below): reading the loss here would stall a GPU's queue once more per step.
+                (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
             self.stats.backward_passes += 1
             loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
         self.stats.forward_passes += len(micro)
+        loss_sum = self.ranks.mean(loss_sum)  # every decision below reads the loss of all ranks' data
         lr = float(self.optimizer.param_groups[0]["lr"])
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
@@ -496,7 +513,7 @@ class HybridTrainer:
         if self.stats.optimizer_steps % cfg.dynamics_train_every == 0 and self.dynamics.ready():
             mark = self._clock("dynamics_training")
             self.dynamics.train_step()
-            self._forecast = self.dynamics.forecast()
+            self._forecast = self.dynamics.forecast(agree=self.ranks.from_rank0)
             self._time("dynamics_training", (self._clock("dynamics_training") - mark) / cfg.dynamics_train_every)
 
     def _clock(self, part: str) -> float:
@@ -563,6 +580,7 @@ class HybridTrainer:
         with torch.no_grad():
             micro = self._micro_batches(batch)
             loss = sum(float(self._loss(part)) for part in micro) / len(micro)
+        loss = self.ranks.mean_float(loss)  # the verdict must be the same on every rank
         self.stats.forward_passes += len(micro)
         self.stats.verifications += 1
         expected = None
@@ -746,12 +764,33 @@ class HybridTrainer:
         self._predicted_gain = t["predicted_gain"]
         self._predict_base_loss, self._last_verified_loss = t["predict_base_loss"], t["last_verified_loss"]
         self._last_verified_single_batch, self._unverified_steps = t["last_verified_single_batch"], t["unverified_steps"]
-        checkpoint.restore_rng(state["rng"])
+        checkpoint.restore_rng(self._own_rng(state))
+
+    def _own_rng(self, state: dict[str, Any]) -> dict:
+        """This rank's random streams from a checkpoint: written by :meth:`save` under DDP, it
+        holds every rank's (``rng_by_rank``); otherwise the one process's."""
+        by_rank = state.get("rng_by_rank")
+        if by_rank is None:
+            return state["rng"]
+        if len(by_rank) != self.ranks.world_size:
+            warnings.warn(f"checkpoint written by {len(by_rank)} ranks, resumed on {self.ranks.world_size}: "
+                          "every rank takes rank 0's random streams, so data order and dropout will not "
+                          "repeat the saved run's", stacklevel=3)
+            return by_rank[0]
+        return by_rank[self.ranks.rank]
 
     def save(self, path) -> None:
-        """Write the full state atomically (temporary file, fsync, rename)."""
+        """Write the full state atomically (temporary file, fsync, rename).
+
+        Under DDP every rank must call it (it is collective): rank 0 writes one file holding the
+        shared state and every rank's random streams, and all ranks return once it exists."""
         self._state_home()
-        checkpoint.atomic_save(self.state_dict(), path)
+        state = self.state_dict()
+        if self.ranks.active:
+            state["rng_by_rank"] = self.ranks.gather(state["rng"])
+        if self.ranks.is_writer:
+            checkpoint.atomic_save(state, path)
+        self.ranks.barrier()
 
     def load(self, path) -> None:
         self.load_state_dict(checkpoint.load(path, map_location=self.device))
