@@ -13,7 +13,7 @@ PIP_FLAGS ?= --quiet --disable-pip-version-check
 FASHION := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install data test demo bench bench-e2e bench-nowcast bench-worth bench-summary clean
+.PHONY: install data test demo bench bench-e2e bench-nowcast bench-worth bench-ddp bench-summary clean
 
 install: $(STAMP)
 
@@ -100,6 +100,11 @@ bench-worth: data
 	$(PY) -m bench.scheduled --fork-trial docs/results/scheduled_fashion_tangential.json docs/results/scheduled_fashion_lr2x.json \
 	  docs/results/scheduled_charlm_tangential.json docs/results/scheduled_charlm_one_pass.json --out docs/results
 	$(PY) -m bench.summary
+
+# HybridTrainer under DistributedDataParallel (2 gloo ranks on this CPU, ~2 min): what keeping
+# the ranks' decisions identical costs against the plain DDP loop; docs/results/ddp*.
+bench-ddp: data
+	$(PY) -m bench.ddp --task fashion --steps 400 --seeds 3 --out docs/results
 
 # Every arm of the results above against its run's plain AdamW loop, one table and one plot
 # (reads docs/results, trains nothing; seconds): docs/results/summary.{md,json,png}.

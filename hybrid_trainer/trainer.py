@@ -313,17 +313,20 @@ class HybridTrainer:
         micro = self._micro_batches(batch)
         loss_sum = None
         for index, part in enumerate(micro):
-            with self.ranks.micro_batch_context(self.model, last=index == len(micro) - 1):
+            last = index == len(micro) - 1
+            with self.ranks.micro_batch_context(self.model, last=last):
                 loss = self._loss(part)
                 if len(micro) > 1:  # dividing by 1 is exact but would add a node to the autograd graph
                     loss = loss / len(micro)
+                loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+                if last:  # every decision below reads the mean over all ranks' data; it travels during the backward
+                    mean_loss = self.ranks.start_mean(loss_sum)
                 # Every micro-batch goes backward, even after a non-finite loss (the update is
                 # refused below): reading the loss here would stall a GPU's queue once more per step.
                 (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
             self.stats.backward_passes += 1
-            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
         self.stats.forward_passes += len(micro)
-        loss_sum = self.ranks.mean(loss_sum)  # every decision below reads the loss of all ranks' data
+        loss_sum = mean_loss.wait()
         lr = float(self.optimizer.param_groups[0]["lr"])
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)

@@ -1,0 +1,45 @@
+"""bench.ddp: the summary arithmetic, and a short two-rank run's record of every arm."""
+import json
+
+import pytest
+
+from bench import ddp
+
+
+def _seed(arm, seed, train_s, digest, agree=True):
+    return dict(arm=arm, seed=seed, ms_per_step=train_s, train_s=train_s, val_loss=1.0, backward_passes=10,
+                predicted_steps=0, ranks_agree=agree, digest=digest)
+
+
+def test_summary_compares_each_arm_with_the_plain_loop_and_checks_the_weights():
+    plain, no_predict, default = ddp.ARMS
+    runs = [_seed(plain, 0, 2.0, "a"), _seed(plain, 1, 4.0, "b"),
+            _seed(no_predict, 0, 3.0, "a"), _seed(no_predict, 1, 3.0, "b"),
+            _seed(default, 0, 1.5, "x"), _seed(default, 1, 1.5, "y", agree=False)]
+    summary = ddp.summarise(runs)
+    assert summary["arms"][no_predict]["time_vs_plain"] == pytest.approx(1.0)  # mean 3 s against mean 3 s
+    assert summary["arms"][default]["time_vs_plain"] == pytest.approx(0.5)
+    assert summary["no_predict_is_plain_bit_for_bit"]
+    assert summary["arms"][plain]["ranks_agree"] and not summary["arms"][default]["ranks_agree"]
+    runs[3]["digest"] = "c"
+    assert not ddp.summarise(runs)["no_predict_is_plain_bit_for_bit"]
+
+
+def test_two_rank_run_writes_every_arm_with_identical_ranks(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYBRID_KERNELS_BACKEND", "eager")
+    result = ddp.main(["--task", "digits", "--steps", "40", "--seeds", "1", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "ddp_digits.json").read_text())
+    assert saved["arms"].keys() == set(ddp.ARMS) and saved == json.loads(json.dumps(result))
+    for arm in saved["arms"].values():
+        assert arm["ranks_agree"] and arm["train_s"] > 0 and arm["ms_per_step"] > 0
+    assert saved["no_predict_is_plain_bit_for_bit"]
+    default = saved["arms"]["HybridTrainer (default)"]
+    assert default["backward_passes"] + default["predicted_steps"] == 40
+    assert (tmp_path / "ddp_digits.png").stat().st_size > 0 and "plain DDP" in (tmp_path / "ddp.md").read_text()
+
+
+def test_bad_arguments_name_themselves(tmp_path, capsys):
+    for argv, name in ((["--world", "1"], "--world"), (["--steps", "0"], "--steps")):
+        with pytest.raises(SystemExit):
+            ddp.main([*argv, "--out", str(tmp_path)])
+        assert name in capsys.readouterr().err
