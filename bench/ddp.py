@@ -169,8 +169,9 @@ def markdown(result: dict) -> str:
     lines += ["", "no-predict ends at the plain loop's weights bit for bit: "
               + ("yes" if result["no_predict_is_plain_bit_for_bit"] else "NO")]
     default = result["arms"]["HybridTrainer (default)"]["seeds"]
-    reasons = sorted({r.get("prediction_disabled_reason") or "still enabled" for r in default})
-    lines.append(f"default arm, prediction at the end of the run: {'; '.join(reasons)}")
+    off = [r for r in default if r.get("prediction_disabled_reason")]
+    lines.append(f"default arm: prediction switched itself off in {len(off)} of {len(default)} seeds"
+                 + (f" (seed {off[0]['seed']}: {off[0]['prediction_disabled_reason']})" if off else ""))
     return "\n".join(lines)
 
 
