@@ -61,8 +61,7 @@ class RankSync:
 
     def start_mean(self, value: torch.Tensor) -> PendingMean:
         """:meth:`mean`, launched now and read with ``.wait()``: work done in between (a backward)
-        overlaps the all-reduce, which otherwise costs a round trip between ranks per step
-        (~0.5 ms of a 13 ms step with gloo on two CPU cores, ``python -m bench.ddp``)."""
+        overlaps the all-reduce, which otherwise adds a round trip between ranks to every step."""
         if not self.active:
             return PendingMean(value)
         total = value.detach().to(self.device, torch.float64, copy=True)
