@@ -39,15 +39,16 @@ class RankSync:
     communicates nothing, so the trainer calls them unconditionally.
     """
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, device: torch.device | str = "cpu"):
+        """``device``: where the model's parameters live (this rank's GPU under NCCL)."""
         self.ddp = isinstance(model, DistributedDataParallel)
         self.group = model.process_group if self.ddp else None
         self.world_size = dist.get_world_size(self.group) if self.ddp else 1
         self.rank = dist.get_rank(self.group) if self.ddp else 0
         self.active = self.world_size > 1
-        # NCCL only moves CUDA tensors; gloo and the others take CPU tensors.
+        # NCCL only moves tensors on the rank's own GPU; gloo and the others take CPU tensors.
         nccl = self.ddp and dist.get_backend(self.group) == "nccl"
-        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        self.device = torch.device(device) if nccl else torch.device("cpu")
 
     @property
     def is_writer(self) -> bool:

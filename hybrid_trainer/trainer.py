@@ -145,8 +145,10 @@ class HybridTrainer:
         if not self.params:
             raise ValueError("optimizer holds none of the model's trainable parameters")
         self.device = self.params[0].device
-        self.ranks = RankSync(model)  # collectives that keep DDP ranks' decisions identical
-        self.ranks.check_same("config", config.to_dict())
+        self.ranks = RankSync(model, self.device)  # collectives that keep DDP ranks' decisions identical
+        # Output paths decide nothing (and rank 0 alone writes the metrics): they may differ.
+        self.ranks.check_same("config", {k: v for k, v in config.to_dict().items()
+                                         if k not in ("metrics_path", "emergency_checkpoint_path")})
 
         self.predictor = DeltaPredictor(self.params, config.direction, config.ema_beta, config.history_size,
                                         config.scale_beta, config.scale_max)
