@@ -19,7 +19,7 @@ from _digits import mlp
 WORLD = 2
 STEPS = 80
 NAN_STEP = 40
-RESUME = dict(steps=60, save_at=30, config={**_ddp.ALWAYS, "cost_aware": True})  # costs calibrated, then saved
+RESUME = dict(steps=60, save_at=30, config=_ddp.ALWAYS)
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +36,9 @@ def ddp_runs(tmp_path_factory):
                 **_ddp.ALWAYS, "metrics_path": os.path.join(out_dir, "metrics.jsonl"), "checkpoint_modules": ["0"],
                 "vram_warning": 1.0e3, "vram_critical": 2.0e3,
                 "emergency_checkpoint_path": os.path.join(out_dir, "emergency.pt")})),
+            # Which parts get timed depends on the clock (the worth gate reads the costs), so this
+            # job only checks that the timings agree, whatever path they lead to.
+            "costs": ("train", dict(steps=30, config={**_ddp.ALWAYS, "cost_aware": True})),
             "mismatched": ("mismatched", {}),
             "uninterrupted": ("resume_full", RESUME),
             "resumed": ("resume_loaded", RESUME),
@@ -125,8 +128,9 @@ def test_rank_0_writes_the_metrics_and_each_rank_its_own_emergency_checkpoint(dd
 
 def test_calibrated_costs_are_the_same_on_every_rank(ddp_runs):
     """Each rank times its own steps; the thresholds built on them must agree."""
-    costs = [r["cost"] for r in ddp_runs["uninterrupted"]]
-    assert all(seconds is not None for seconds in costs[0].values())
+    assert_ranks_agree(ddp_runs["costs"])
+    costs = [r["cost"] for r in ddp_runs["costs"]]
+    assert costs[0]["core"] is not None and costs[0]["recording"] is not None  # timed on every recording step
     assert costs[1] == costs[0]
 
 
