@@ -101,10 +101,10 @@ bench-worth: data
 	  docs/results/scheduled_charlm_tangential.json docs/results/scheduled_charlm_one_pass.json --out docs/results
 	$(PY) -m bench.summary
 
-# HybridTrainer under DistributedDataParallel (2 gloo ranks on this CPU, ~2 min): what keeping
+# HybridTrainer under DistributedDataParallel (2 gloo ranks on this CPU, ~3 min): what keeping
 # the ranks' decisions identical costs against the plain DDP loop; docs/results/ddp*.
 bench-ddp: data
-	$(PY) -m bench.ddp --task fashion --steps 400 --seeds 3 --out docs/results
+	$(PY) -m bench.ddp --task fashion --steps 400 --seeds 5 --out docs/results
 
 # Every arm of the results above against its run's plain AdamW loop, one table and one plot
 # (reads docs/results, trains nothing; seconds): docs/results/summary.{md,json,png}.

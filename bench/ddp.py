@@ -12,11 +12,14 @@ rotated from seed to seed so machine noise hits them alike:
 * ``HybridTrainer (no-predict)``: the trainer's safety layer, plus the all-reduce of one number
   per step (the loss) that keeps every rank's decisions identical;
 * ``HybridTrainer (default)``: predicted steps skip the backward and with it the gradients'
-  all-reduce; verifications all-reduce one number.
+  all-reduce; verifications all-reduce one number;
+* ``HybridTrainer (forced)``: predicting at every phase decision whatever it is worth (the
+  ``forced`` preset of ``bench.e2e``), so what a predicted step costs under DDP is measured even
+  where the worth gate would not predict.
 
 Per arm and seed: the step time of the slowest rank (each step waits for it), median over steps;
-training seconds (barrier to barrier, no evaluation inside); validation loss at the end; phase
-counts, backward passes and predicted steps (rank 0's: the ranks agree); whether every rank's
+the same per kind of step (real; predicted; predicted and verified); training seconds (barrier
+to barrier, no evaluation inside); validation loss at the end; phase counts, backward passes and predicted steps (rank 0's: the ranks agree); whether every rank's
 weights are bit-identical at the end (SHA-256 of the weights, gathered); and whether the
 no-predict arm ends at exactly the plain loop's weights. Writes ``<out>/ddp_<task>.json``,
 ``<out>/ddp.md`` and ``<out>/ddp_<task>.png``.
@@ -39,7 +42,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
-ARMS = ("plain DDP", "HybridTrainer (no-predict)", "HybridTrainer (default)")
+KINDS = ("real", "predicted", "predicted, verified")  # steps by what they ran
+ARMS = ("plain DDP", "HybridTrainer (no-predict)", "HybridTrainer (default)", "HybridTrainer (forced)")
 
 
 def weights_digest(model: torch.nn.Module) -> str:
@@ -59,15 +63,17 @@ def rank_batches(task, seed: int, world: int, rank: int, steps: int) -> list:
 
 def train_arm(arm: str, task, seed: int, lr: float, batches: list, group_world: int) -> dict:
     """One arm on this rank; returns its per-step seconds and what it ends with."""
-    from hybrid_trainer import HybridConfig, HybridTrainer
+    from hybrid_trainer import HybridTrainer
+
+    from .e2e import preset_config
 
     model = DistributedDataParallel(task.make_model(seed))
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     trainer = None
     if arm != "plain DDP":
-        config = HybridConfig(predict=False) if arm == "HybridTrainer (no-predict)" else HybridConfig()
-        trainer = HybridTrainer(model, optimizer, task.loss_fn, config=config)
-    step_s = []
+        preset = arm.removeprefix("HybridTrainer (").removesuffix(")")
+        trainer = HybridTrainer(model, optimizer, task.loss_fn, config=preset_config(preset))
+    step_s, kinds = [], []
     dist.barrier()
     started = time.perf_counter()
     for batch in batches:
@@ -76,12 +82,15 @@ def train_arm(arm: str, task, seed: int, lr: float, batches: list, group_world: 
             optimizer.zero_grad(set_to_none=True)
             task.loss_fn(model, batch).backward()
             optimizer.step()
+            kind = "real"
         else:
-            trainer.step(batch)
+            result = trainer.step(batch)
+            kind = "real" if result.backward_done else "predicted, verified" if result.verified else "predicted"
         step_s.append(time.perf_counter() - mark)
+        kinds.append(kind)
     dist.barrier()
     train_s = time.perf_counter() - started
-    out = dict(step_s=step_s, train_s=train_s, digest=weights_digest(model),
+    out = dict(step_s=step_s, kinds=kinds, train_s=train_s, digest=weights_digest(model),
                val_loss=task.val_loss(model.module))
     if trainer is not None:
         stats = trainer.statistics()
@@ -117,7 +126,12 @@ def _rank_main(rank: int, world: int, init_file: str, result_file: str, args: di
                                                    digest=local["digest"]))
                 if rank == 0:
                     slowest = [max(steps) for steps in zip(*(r["step_s"] for r in every))]
+                    by_kind: dict[str, list[float]] = {}
+                    for kind, seconds in zip(local.pop("kinds"), slowest):  # the ranks' kinds agree
+                        by_kind.setdefault(kind, []).append(seconds)
                     local.update(seed=seed, arm=arm, ms_per_step=1e3 * statistics.median(slowest),
+                                 ms_by_kind={k: 1e3 * statistics.median(v) for k, v in by_kind.items()},
+                                 steps_by_kind={k: len(v) for k, v in by_kind.items()},
                                  train_s=max(r["train_s"] for r in every),
                                  ranks_agree=len({r["digest"] for r in every}) == 1)
                     del local["step_s"]
@@ -142,11 +156,16 @@ def summarise(runs: list[dict]) -> dict:
             backward_passes=statistics.mean(r["backward_passes"] for r in mine),
             predicted_steps=statistics.mean(r["predicted_steps"] for r in mine),
             ranks_agree=all(r["ranks_agree"] for r in mine),
+            ms_by_kind={kind: statistics.mean(r["ms_by_kind"][kind] for r in mine if kind in r["ms_by_kind"])
+                        for kind in KINDS if any(kind in r["ms_by_kind"] for r in mine)},
             seeds=mine,
         )
     plain = arms["plain DDP"]
+    plain_s = {r["seed"]: r["train_s"] for r in plain["seeds"]}
     for arm in arms.values():
         arm["time_vs_plain"] = arm["train_s"] / plain["train_s"]
+        per_seed = [r["train_s"] / plain_s[r["seed"]] for r in arm["seeds"]]  # same batches, same processes
+        arm["time_vs_plain_range"] = [min(per_seed), max(per_seed)]
     no_predict_is_plain = all(
         a["digest"] == b["digest"] for a, b in zip(arms["HybridTrainer (no-predict)"]["seeds"], plain["seeds"]))
     return dict(arms=arms, no_predict_is_plain_bit_for_bit=no_predict_is_plain)
@@ -159,11 +178,13 @@ def markdown(result: dict) -> str:
              "",
              f"`{meta['command']}` ({meta['device']}, torch {meta['torch']}, 1 thread per rank, {meta['date']})",
              "",
-             "| arm | ms / step (slowest rank, median) | training s | vs plain | validation loss | backward passes "
-             "| predicted steps | ranks bit-identical |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| arm | ms / step (slowest rank, median) | by kind: real / predicted / predicted+verified "
+             "| training s | vs plain (seeds' range) | validation loss | backward passes | predicted steps | ranks bit-identical |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, arm in result["arms"].items():
-        lines.append(f"| {name} | {arm['ms_per_step']:.2f} | {arm['train_s']:.2f} | {arm['time_vs_plain']:.3f}× "
+        kinds = " / ".join(f"{arm['ms_by_kind'][k]:.2f}" if k in arm["ms_by_kind"] else "–" for k in KINDS)
+        lines.append(f"| {name} | {arm['ms_per_step']:.2f} | {kinds} | {arm['train_s']:.2f} | {arm['time_vs_plain']:.3f}× "
+                     f"({arm['time_vs_plain_range'][0]:.2f}–{arm['time_vs_plain_range'][1]:.2f}) "
                      f"| {arm['val_loss']:.4f} | {arm['backward_passes']:.0f} | {arm['predicted_steps']:.0f} "
                      f"| {'yes' if arm['ranks_agree'] else 'NO'} |")
     lines += ["", "no-predict ends at the plain loop's weights bit for bit: "
