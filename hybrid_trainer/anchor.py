@@ -1,8 +1,12 @@
-"""Exact snapshots of weights (and optionally optimizer state) for bit-exact rollback.
+"""Exact snapshots of weights, module buffers and optionally optimizer state, for bit-exact rollback.
 
 Rollback never subtracts the applied deltas (float addition is not invertible); it copies the
-saved values back. Buffers are allocated once and refreshed with ``copy_``, so taking an anchor
+saved values back. Copies are allocated once and refreshed with ``copy_``, so taking an anchor
 allocates nothing after the first time, and restoring never reallocates a parameter.
+
+Module buffers (batch-norm running statistics and their counters) are part of the snapshot: a
+train-mode forward updates them, so a verification forward through rejected weights, or the
+forward of a step whose loss spiked, would otherwise leave its trace after the weights went back.
 """
 from __future__ import annotations
 
@@ -16,12 +20,16 @@ class WeightAnchor:
         params: the tensors to snapshot (model parameters, in a fixed order).
         device: where the copy lives (default: beside each parameter). ``"cpu"`` keeps GPU
             memory free at the cost of a device-to-host copy per snapshot.
+        buffers: module buffers to snapshot with them (any dtype; see :func:`module_buffers`).
     """
 
-    def __init__(self, params: list[torch.Tensor], device: str | torch.device | None = None):
+    def __init__(self, params: list[torch.Tensor], device: str | torch.device | None = None,
+                 buffers: list[torch.Tensor] | None = None):
         self.params = params
+        self.buffers = list(buffers or [])
         self._device = None if device is None else torch.device(device)
         self._saved: list[torch.Tensor] | None = None
+        self._buffers_saved: list[torch.Tensor] = []
         self._optimizer_saved: dict[int, dict[str, torch.Tensor | object]] | None = None
         self.step: int | None = None  # trainer step at which the snapshot was taken
 
@@ -33,7 +41,10 @@ class WeightAnchor:
     def save(self, step: int, optimizer: torch.optim.Optimizer | None = None) -> None:
         if self._saved is None:
             self._saved = [torch.empty_like(p, device=self._device or p.device) for p in self.params]
+            self._buffers_saved = [torch.empty_like(b, device=self._device or b.device) for b in self.buffers]
         torch._foreach_copy_(self._saved, [p.detach() for p in self.params])
+        for saved, buffer in zip(self._buffers_saved, self.buffers):
+            saved.copy_(buffer)
         if optimizer is not None:
             self._save_optimizer(optimizer)
         else:
@@ -62,6 +73,8 @@ class WeightAnchor:
         if self._saved is None:
             raise RuntimeError("WeightAnchor.restore() called before save()")
         torch._foreach_copy_([p.detach() for p in self.params], self._saved)
+        for buffer, saved in zip(self.buffers, self._buffers_saved):
+            buffer.copy_(saved)
         if optimizer is not None and self._optimizer_saved is not None:
             for p in self.params:
                 slot = self._optimizer_saved.get(id(p))
@@ -79,7 +92,8 @@ class WeightAnchor:
     def state_dict(self) -> dict:
         if self._saved is None:
             return {"step": None}
-        state = {"step": self.step, "params": [t.clone() for t in self._saved]}
+        state = {"step": self.step, "params": [t.clone() for t in self._saved],
+                 "buffers": [t.clone() for t in self._buffers_saved]}
         if self._optimizer_saved is not None:
             state["optimizer"] = [
                 {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in self._optimizer_saved.get(id(p), {}).items()}
@@ -93,6 +107,11 @@ class WeightAnchor:
             self._saved, self._optimizer_saved = None, None
             return
         self._saved = [saved.to(self._device or p.device).clone() for saved, p in zip(state["params"], self.params)]
+        # A checkpoint from before buffers were snapshotted: start from the model's current ones.
+        saved_buffers = state.get("buffers") or [b.detach() for b in self.buffers]
+        if len(saved_buffers) != len(self.buffers):
+            raise ValueError(f"anchor state holds {len(saved_buffers)} module buffers, the model has {len(self.buffers)}")
+        self._buffers_saved = [saved.to(self._device or b.device).clone() for saved, b in zip(saved_buffers, self.buffers)]
         if "optimizer" in state:
             self._optimizer_saved = {
                 id(p): {k: (v.to(self._device or p.device) if isinstance(v, torch.Tensor) else v) for k, v in slot.items()}
@@ -100,3 +119,16 @@ class WeightAnchor:
             }
         else:
             self._optimizer_saved = None
+
+
+def module_buffers(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The buffers ``module`` saves in its ``state_dict`` (running statistics, counters), each
+    once: non-persistent buffers are caches the forward does not change (masks, rotary tables)."""
+    params = {id(p) for p in module.parameters()}
+    seen: set[int] = set()
+    buffers = []
+    for tensor in module.state_dict(keep_vars=True).values():
+        if isinstance(tensor, torch.Tensor) and id(tensor) not in params and id(tensor) not in seen:
+            seen.add(id(tensor))
+            buffers.append(tensor)
+    return buffers

@@ -36,7 +36,7 @@ import hybrid_kernels as hk
 from hybrid_kernels.encode_state import NUM_FEATURES
 
 from . import checkpoint
-from .anchor import WeightAnchor
+from .anchor import WeightAnchor, module_buffers
 from .averaging import WeightAverage
 from .config import HybridConfig
 from .cost import PredictionCost, real_steps_per_predicted
@@ -152,8 +152,9 @@ class HybridTrainer:
 
         self.predictor = DeltaPredictor(self.params, config.direction, config.ema_beta, config.history_size,
                                         config.scale_beta, config.scale_max)
-        self.anchor = WeightAnchor(self.params)  # last verified point of a PREDICT phase
-        self.good_state = WeightAnchor(self.params)  # last healthy point (divergence rollback)
+        buffers = module_buffers(unwrap(model))  # e.g. batch-norm statistics: forwards change them too
+        self.anchor = WeightAnchor(self.params, buffers=buffers)  # last verified point of a PREDICT phase
+        self.good_state = WeightAnchor(self.params, buffers=buffers)  # last healthy point (divergence rollback)
         self.weight_average = WeightAverage(self.params) if config.weight_average else None
         self.history = hk.StateHistory(device=self.device)
         self.normalizer = RunningNormalizer(NUM_FEATURES)

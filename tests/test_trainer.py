@@ -11,6 +11,7 @@ import torch
 
 import hybrid_kernels as hk
 from hybrid_trainer import HybridConfig, HybridTrainer, Phase
+from hybrid_trainer.anchor import module_buffers
 
 from _digits import batches, cross_entropy, digits_tensors, mlp
 
@@ -27,8 +28,15 @@ def eager_kernels(monkeypatch):
     monkeypatch.setenv("HYBRID_KERNELS_BACKEND", "eager")
 
 
-def make_trainer(seed=0, lr=0.05, opt="adamw", device="cpu", **overrides):
-    model = mlp(seed).to(device)
+def batch_norm_mlp(seed: int = 0):
+    """The test MLP with a batch norm: its train-mode forwards change its running statistics."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64), torch.nn.ReLU(),
+                               torch.nn.Linear(64, 10))
+
+
+def make_trainer(seed=0, lr=0.05, opt="adamw", device="cpu", model_fn=mlp, **overrides):
+    model = model_fn(seed).to(device)
     if opt == "adamw":
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     elif opt == "adamw-fused":
@@ -124,6 +132,31 @@ def test_a_rejected_predict_phase_restarts_the_clock_from_the_anchor(stream):
     assert ctl.phase_step == 0
     trainer.step(stream[i])
     assert trainer.anchor.step == i and trainer.stats.predict_phases == 2
+
+
+def batch_norm_state(model):
+    bn = model[1]
+    return [bn.running_mean.clone(), bn.running_var.clone(), bn.num_batches_tracked.clone()]
+
+
+def test_rejected_verification_also_restores_batch_norm_statistics(stream):
+    trainer = make_trainer(model_fn=batch_norm_mlp, **ALWAYS, loss_tolerance=0.0, noise_z=0.0)
+    i = run_until_phase(trainer, stream, Phase.PREDICT)
+    at_phase_start = batch_norm_state(trainer.model)
+    trainer.predictor.scales.fill_(50.0)
+    results = [trainer.step(stream[i + k]) for k in range(4)]
+    assert results[-1].verified and results[-1].rolled_back  # the check's forward ran in train mode...
+    for got, want in zip(batch_norm_state(trainer.model), at_phase_start):
+        assert torch.equal(got, want)  # ...and left no trace
+
+
+def test_module_buffers_are_the_saved_ones_each_once():
+    model = batch_norm_mlp()
+    model.register_buffer("mask", torch.ones(3), persistent=False)  # a cache: not snapshotted
+    model.shared = model[1]  # the same batch norm under a second name
+    buffers = module_buffers(model)
+    bn = model[1]
+    assert [id(b) for b in buffers] == [id(bn.running_mean), id(bn.running_var), id(bn.num_batches_tracked)]
 
 
 def test_correct_phase_runs_backward_and_the_optimizer(stream):
@@ -530,6 +563,16 @@ def spiking_trainer(stream, after_step=None, **overrides):
         if after_step is not None:
             after_step(trainer)
     return trainer
+
+
+def test_loss_spike_restores_the_batch_norm_statistics_of_the_last_good_state(stream):
+    trainer = spiking_trainer(stream, model_fn=batch_norm_mlp)
+    before_spike = batch_norm_state(trainer.model)
+    saved = trainer.good_state.state_dict()["buffers"]
+    assert not torch.equal(saved[0], before_spike[0])  # the statistics moved since the good state
+    assert trainer.step(stream[15]).rolled_back
+    for got, want in zip(batch_norm_state(trainer.model), saved):
+        assert torch.equal(got, want)
 
 
 def test_loss_spike_restores_the_last_good_state(stream):
