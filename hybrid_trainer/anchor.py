@@ -7,6 +7,9 @@ allocates nothing after the first time, and restoring never reallocates a parame
 Module buffers (batch-norm running statistics and their counters) are part of the snapshot: a
 train-mode forward updates them, so a verification forward through rejected weights, or the
 forward of a step whose loss spiked, would otherwise leave its trace after the weights went back.
+Buffers are looked up by name at every snapshot and restore: a forward that reassigns one
+(``self.mean = 0.9 * self.mean + ...``, as custom normalisers do) leaves a new tensor under the
+name, and a reference taken once would keep snapshotting and restoring the discarded one.
 """
 from __future__ import annotations
 
@@ -20,13 +23,14 @@ class WeightAnchor:
         params: the tensors to snapshot (model parameters, in a fixed order).
         device: where the copy lives (default: beside each parameter). ``"cpu"`` keeps GPU
             memory free at the cost of a device-to-host copy per snapshot.
-        buffers: module buffers to snapshot with them (any dtype; see :func:`module_buffers`).
+        buffers: module buffers to snapshot with them, as ``(module, name)`` pairs (any dtype;
+            see :func:`buffer_slots`).
     """
 
     def __init__(self, params: list[torch.Tensor], device: str | torch.device | None = None,
-                 buffers: list[torch.Tensor] | None = None):
+                 buffers: list[tuple[torch.nn.Module, str]] | None = None):
         self.params = params
-        self.buffers = list(buffers or [])
+        self.buffer_slots = list(buffers or [])
         self._device = None if device is None else torch.device(device)
         self._saved: list[torch.Tensor] | None = None
         self._buffers_saved: list[torch.Tensor] = []
@@ -37,13 +41,20 @@ class WeightAnchor:
     def is_set(self) -> bool:
         return self._saved is not None
 
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        """The tensors the model holds under the snapshotted buffer names now."""
+        return [module._buffers[name] for module, name in self.buffer_slots]
+
     @torch.no_grad()
     def save(self, step: int, optimizer: torch.optim.Optimizer | None = None) -> None:
         if self._saved is None:
             self._saved = [torch.empty_like(p, device=self._device or p.device) for p in self.params]
-            self._buffers_saved = [torch.empty_like(b, device=self._device or b.device) for b in self.buffers]
+        buffers = self.buffers
+        if [(s.shape, s.dtype) for s in self._buffers_saved] != [(b.shape, b.dtype) for b in buffers]:
+            self._buffers_saved = [torch.empty_like(b, device=self._device or b.device) for b in buffers]
         torch._foreach_copy_(self._saved, [p.detach() for p in self.params])
-        for saved, buffer in zip(self._buffers_saved, self.buffers):
+        for saved, buffer in zip(self._buffers_saved, buffers):
             saved.copy_(buffer)
         if optimizer is not None:
             self._save_optimizer(optimizer)
@@ -73,8 +84,12 @@ class WeightAnchor:
         if self._saved is None:
             raise RuntimeError("WeightAnchor.restore() called before save()")
         torch._foreach_copy_([p.detach() for p in self.params], self._saved)
-        for buffer, saved in zip(self.buffers, self._buffers_saved):
-            buffer.copy_(saved)
+        for (module, name), saved in zip(self.buffer_slots, self._buffers_saved):
+            buffer = module._buffers[name]
+            if buffer.shape == saved.shape and buffer.dtype == saved.dtype:
+                buffer.copy_(saved)
+            else:  # reassigned with another shape since the snapshot: put the saved one back
+                module._buffers[name] = saved.clone().to(buffer.device)
         if optimizer is not None and self._optimizer_saved is not None:
             for p in self.params:
                 slot = self._optimizer_saved.get(id(p))
@@ -121,14 +136,20 @@ class WeightAnchor:
             self._optimizer_saved = None
 
 
-def module_buffers(module: torch.nn.Module) -> list[torch.Tensor]:
-    """The buffers ``module`` saves in its ``state_dict`` (running statistics, counters), each
-    once: non-persistent buffers are caches the forward does not change (masks, rotary tables)."""
-    params = {id(p) for p in module.parameters()}
+def buffer_slots(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
+    """Where the buffers ``module`` saves in its ``state_dict`` (running statistics, counters)
+    live, as ``(owning module, name)``, each buffer once: non-persistent buffers are caches the
+    forward does not change (masks, rotary tables)."""
     seen: set[int] = set()
-    buffers = []
-    for tensor in module.state_dict(keep_vars=True).values():
-        if isinstance(tensor, torch.Tensor) and id(tensor) not in params and id(tensor) not in seen:
-            seen.add(id(tensor))
-            buffers.append(tensor)
-    return buffers
+    slots = []
+    for owner in module.modules():  # modules() yields a shared submodule once
+        for name, tensor in owner._buffers.items():
+            if tensor is not None and name not in owner._non_persistent_buffers_set and id(tensor) not in seen:
+                seen.add(id(tensor))
+                slots.append((owner, name))
+    return slots
+
+
+def module_buffers(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The tensors in :func:`buffer_slots` now."""
+    return [owner._buffers[name] for owner, name in buffer_slots(module)]

@@ -36,7 +36,7 @@ import hybrid_kernels as hk
 from hybrid_kernels.encode_state import NUM_FEATURES
 
 from . import checkpoint
-from .anchor import WeightAnchor, module_buffers
+from .anchor import WeightAnchor, buffer_slots
 from .averaging import WeightAverage
 from .config import HybridConfig
 from .cost import PredictionCost, real_steps_per_predicted
@@ -152,7 +152,7 @@ class HybridTrainer:
 
         self.predictor = DeltaPredictor(self.params, config.direction, config.ema_beta, config.history_size,
                                         config.scale_beta, config.scale_max)
-        buffers = module_buffers(unwrap(model))  # e.g. batch-norm statistics: forwards change them too
+        buffers = buffer_slots(unwrap(model))  # e.g. batch-norm statistics: forwards change them too
         self.anchor = WeightAnchor(self.params, buffers=buffers)  # last verified point of a PREDICT phase
         self.good_state = WeightAnchor(self.params, buffers=buffers)  # last healthy point (divergence rollback)
         self.weight_average = WeightAverage(self.params) if config.weight_average else None
