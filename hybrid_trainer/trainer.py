@@ -119,7 +119,10 @@ class HybridTrainer:
         model: any ``nn.Module``; all trainable parameters on one device. A
             ``DistributedDataParallel`` model makes every rank decide alike
             (:mod:`hybrid_trainer.distributed`); then ``save`` is collective.
-        optimizer: any ``torch.optim.Optimizer`` over (a subset of) the model's parameters.
+        optimizer: any ``torch.optim.Optimizer`` over (a subset of) the model's parameters, and
+            any trained tensor outside the model (a loss's learned temperature). Which of them
+            train is fixed at construction: after freezing or unfreezing some (or
+            ``add_param_group``), construct a new trainer; a step refuses the change.
         loss_fn: ``loss_fn(model, batch) -> 0-d tensor`` (see module docstring).
         config: :class:`HybridConfig` (defaults if None).
         scheduler: optional LR scheduler, stepped after each real optimizer step.
@@ -140,10 +143,16 @@ class HybridTrainer:
         config.validate()
         self.model, self.optimizer, self.loss_fn, self.config, self.scheduler = model, optimizer, loss_fn, config, scheduler
 
-        optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        self.params = [p for p in model.parameters() if p.requires_grad and id(p) in optimized]
-        if not self.params:
+        # Everything the optimizer trains is guarded, snapshotted and predicted, the model's own
+        # parameters first, in model order: a trainable tensor outside the model (a learned loss
+        # weight or temperature) would otherwise take a NaN update and keep it through a rollback.
+        optimized = [p for group in optimizer.param_groups for p in group["params"]]
+        ids, in_model = {id(p) for p in optimized}, {id(p) for p in model.parameters()}
+        self.params = [p for p in model.parameters() if p.requires_grad and id(p) in ids]
+        if not self.params:  # an optimizer built over another model's parameters
             raise ValueError("optimizer holds none of the model's trainable parameters")
+        self.params += [p for p in optimized if p.requires_grad and id(p) not in in_model]
+        self._untracked, self._param_groups = self._untracked_params(), len(optimizer.param_groups)
         self.device = self.params[0].device
         self.ranks = RankSync(model, self.device)  # collectives that keep DDP ranks' decisions identical
         # Output paths decide nothing (and rank 0 alone writes the metrics): they may differ.
@@ -209,6 +218,7 @@ class HybridTrainer:
         started = time.perf_counter()
         phase = self.controller.phase
         try:
+            self._check_trainable()
             if phase is Phase.PREDICT:
                 result = self._predict_step(batch)
             else:
@@ -237,6 +247,34 @@ class HybridTrainer:
             self.vram_guard.check(result.step)
         self._log(result)
         return result
+
+    def _untracked_params(self) -> list[torch.Tensor]:
+        """The optimizer's parameters outside ``self.params`` (frozen when it was taken)."""
+        tracked = {id(p) for p in self.params}
+        return [p for group in self.optimizer.param_groups for p in group["params"] if id(p) not in tracked]
+
+    def _check_trainable(self) -> None:
+        """Refuse a change of which parameters train, before it reaches any weight. The NaN guard,
+        both anchors and the predictor cover the parameters that trained at construction: one
+        unfrozen since (``requires_grad_()``, ``add_param_group``: gradual unfreezing) would take
+        a NaN update unchecked and keep its update through a rollback, and one frozen since would
+        go on moving with predicted steps."""
+        if len(self.optimizer.param_groups) != self._param_groups:
+            self._untracked, self._param_groups = self._untracked_params(), len(self.optimizer.param_groups)
+        unfrozen = [p for p in self._untracked if p.requires_grad]
+        # Without prediction nothing moves a frozen parameter: the plain loop's freezing works.
+        frozen = [p for p in self.params if not p.requires_grad] if self.controller.prediction_enabled else []
+        if unfrozen or frozen:
+            names = {id(p): name for name, p in unwrap(self.model).named_parameters()}
+            def listed(params):
+                return ", ".join(names.get(id(p), f"a tensor of shape {tuple(p.shape)} outside the model")
+                                 for p in params)
+            change = "; ".join(([f"{listed(unfrozen)} train now"] if unfrozen else [])
+                               + ([f"{listed(frozen)} no longer train"] if frozen else []))
+            raise ValueError(f"optimizer: the parameters that train changed since the HybridTrainer was "
+                             f"constructed ({change}); its NaN guard, rollback snapshots and predicted steps "
+                             f"cover those that trained then: construct a new HybridTrainer after freezing, "
+                             f"unfreezing or add_param_group")
 
     # ------------------------------------------------------------------- memory helpers ----
     @staticmethod
@@ -740,6 +778,13 @@ class HybridTrainer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("version") != CHECKPOINT_VERSION:
             raise ValueError(f"checkpoint version {state.get('version')!r} is not {CHECKPOINT_VERSION}")
+        # Checked before anything loads: the predictor and anchors hold one slot per trained tensor.
+        saved = (len(state["predictor"]["scales"]), state["predictor"]["ema"].numel())
+        here = (len(self.params), sum(p.numel() for p in self.params))
+        if saved != here:
+            raise ValueError(f"checkpoint: saved by a trainer training {saved[0]} parameter tensors ({saved[1]} "
+                             f"values), this one trains {here[0]} ({here[1]}): freeze and unfreeze as the saved "
+                             f"run had before constructing the trainer that loads it")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state["scheduler"] is not None:

@@ -56,3 +56,78 @@ def test_rollback_restores_a_buffer_the_forward_reassigns(stream):
     results = [trainer.step(stream[i + k]) for k in range(4)]
     assert results[-1].verified and results[-1].rolled_back
     assert torch.equal(model.mean, at_phase_start)  # the verification forward moved it; it went back
+
+
+def temperature_setup(seed=0):
+    """A classifier with a learned logit temperature outside the model (only the loss uses it)."""
+    model = mlp(seed)
+    temperature = torch.nn.Parameter(torch.ones(()))
+
+    def loss_fn(model, batch):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(model(x) * temperature, y)
+
+    return model, temperature, torch.optim.AdamW([*model.parameters(), temperature], lr=0.05), loss_fn
+
+
+def test_a_trained_tensor_outside_the_model_is_guarded_and_rolled_back(stream):
+    model, temperature, optimizer, loss_fn = temperature_setup()
+    trainer = HybridTrainer(model, optimizer, loss_fn, HybridConfig(**FAST, predict=False))
+    for batch in stream[:5]:
+        trainer.step(batch)
+    before = temperature.detach().clone()
+    handle = temperature.register_hook(lambda g: g * float("nan"))
+    assert trainer.step(stream[5]).skipped
+    handle.remove()
+    assert torch.equal(temperature.detach(), before)  # the NaN update was refused for it too
+    assert any(p is temperature for p in trainer.good_state.params)  # and a spike restores it
+
+
+@pytest.mark.parametrize("how", ["requires_grad", "add_param_group"])
+def test_unfreezing_mid_run_is_refused_before_any_update(stream, how):
+    """Gradual unfreezing: the first layer trains from step 5 on. The trainer's NaN guard and
+    snapshots cover what trained at construction, so it refuses the step, weights untouched,
+    instead of letting the new parameters take an unchecked update."""
+    model = mlp(0)
+    first = list(model[0].parameters())
+    for p in first:
+        p.requires_grad_(False)
+    optimizer = torch.optim.AdamW(model.parameters() if how == "requires_grad" else model[2].parameters(), lr=0.05)
+    trainer = HybridTrainer(model, optimizer, cross_entropy, HybridConfig(**FAST, predict=False))
+    for batch in stream[:5]:
+        trainer.step(batch)
+    for p in first:
+        p.requires_grad_(True)
+    if how == "add_param_group":
+        optimizer.add_param_group({"params": first, "lr": 0.01})
+    handle = first[0].register_hook(lambda g: g * float("nan"))
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"optimizer: .*0\.weight, 0\.bias train now"):
+        trainer.step(stream[5])
+    handle.remove()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
+
+
+def test_freezing_mid_run_is_refused_while_predicting_would_move_the_frozen_weights(stream):
+    model = mlp(0)
+    trainer = HybridTrainer(model, torch.optim.AdamW(model.parameters(), lr=0.05), cross_entropy,
+                            HybridConfig(**FAST, **ALWAYS))
+    i = run_until_phase(trainer, stream, Phase.PREDICT)
+    trainer.step(stream[i])  # an unverified predicted step
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"0\.weight, 0\.bias no longer train"):
+        trainer.step(stream[i + 1])
+    for p, anchored in zip(trainer.params, trainer.anchor.state_dict()["params"]):
+        assert torch.equal(p.detach(), anchored)  # and the unverified delta went back
+
+
+def test_loading_a_checkpoint_of_other_trained_parameters_names_it(stream, tmp_path):
+    model, _, optimizer, loss_fn = temperature_setup()
+    trainer = HybridTrainer(model, optimizer, loss_fn, HybridConfig(**FAST))
+    trainer.step(stream[0])
+    trainer.save(tmp_path / "run.pt")
+    model = mlp(0)
+    other = HybridTrainer(model, torch.optim.AdamW(model.parameters(), lr=0.05), cross_entropy, HybridConfig(**FAST))
+    with pytest.raises(ValueError, match=r"checkpoint: .* 5 parameter tensors .* 4 "):
+        other.load(tmp_path / "run.pt")
