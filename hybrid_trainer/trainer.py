@@ -152,6 +152,7 @@ class HybridTrainer:
         if not self.params:  # an optimizer built over another model's parameters
             raise ValueError("optimizer holds none of the model's trainable parameters")
         self.params += [p for p in optimized if p.requires_grad and id(p) not in in_model]
+        self._check_dense(model, optimizer)
         self._untracked, self._param_groups = self._untracked_params(), len(optimizer.param_groups)
         self.device = self.params[0].device
         self.ranks = RankSync(model, self.device)  # collectives that keep DDP ranks' decisions identical
@@ -247,6 +248,20 @@ class HybridTrainer:
             self.vram_guard.check(result.step)
         self._log(result)
         return result
+
+    @staticmethod
+    def _check_dense(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Sparse gradients have no norm the guard can take (torch has no sparse vector norm)
+        and no dense update the predictor can record."""
+        for name, module in unwrap(model).named_modules():
+            if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse \
+                    and module.weight.requires_grad:
+                raise ValueError(f"model: {type(module).__name__} {name!r} has sparse=True, and the trainer "
+                                 f"needs dense gradients (its NaN guard takes their norm); use sparse=False "
+                                 f"with a dense optimizer (e.g. Adam instead of SparseAdam)")
+        if isinstance(optimizer, torch.optim.SparseAdam):
+            raise ValueError("optimizer: SparseAdam takes sparse gradients only, and the trainer needs dense "
+                             "ones; use Adam or AdamW")
 
     def _untracked_params(self) -> list[torch.Tensor]:
         """The optimizer's parameters outside ``self.params`` (frozen when it was taken)."""

@@ -131,3 +131,14 @@ def test_loading_a_checkpoint_of_other_trained_parameters_names_it(stream, tmp_p
     other = HybridTrainer(model, torch.optim.AdamW(model.parameters(), lr=0.05), cross_entropy, HybridConfig(**FAST))
     with pytest.raises(ValueError, match=r"checkpoint: .* 5 parameter tensors .* 4 "):
         other.load(tmp_path / "run.pt")
+
+
+def test_sparse_embedding_gradients_are_refused_at_construction():
+    """Before, the first step failed deep in torch ('linalg_vector_norm ... SparseCPU')."""
+    model = torch.nn.Sequential(torch.nn.EmbeddingBag(50, 8, sparse=True), torch.nn.Linear(8, 2))
+    with pytest.raises(ValueError, match=r"model: EmbeddingBag '0' has sparse=True"):
+        HybridTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy)
+    model[0].sparse = False
+    with pytest.raises(ValueError, match="optimizer: SparseAdam"):
+        HybridTrainer(model, torch.optim.SparseAdam(list(model[0].parameters())), cross_entropy)
+
