@@ -141,6 +141,7 @@ class HybridTrainer:
         if not isinstance(config, HybridConfig):
             raise TypeError(f"config must be a HybridConfig, got {type(config).__name__}")
         config.validate()
+        self._check_scheduler(scheduler, optimizer)
         self.model, self.optimizer, self.loss_fn, self.config, self.scheduler = model, optimizer, loss_fn, config, scheduler
 
         # Everything the optimizer trains is guarded, snapshotted and predicted, the model's own
@@ -248,6 +249,21 @@ class HybridTrainer:
             self.vram_guard.check(result.step)
         self._log(result)
         return result
+
+    @staticmethod
+    def _check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
+        """The trainer calls ``scheduler.step()`` with no argument after each real optimizer step."""
+        if scheduler is None:
+            return
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise TypeError("scheduler: ReduceLROnPlateau steps on a metric (usually a validation loss) and "
+                            "the trainer steps its scheduler with none; leave it out and call "
+                            "scheduler.step(val_loss) yourself, the trainer's optimizer takes the new lr")
+        if not callable(getattr(scheduler, "step", None)):
+            raise TypeError(f"scheduler must have a step() method (an LR scheduler), got {type(scheduler).__name__}")
+        if getattr(scheduler, "optimizer", optimizer) is not optimizer:
+            raise ValueError("scheduler: built over another optimizer than the trainer's, so stepping it "
+                             "would leave the trainer's learning rate unchanged")
 
     @staticmethod
     def _check_dense(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -142,3 +142,14 @@ def test_sparse_embedding_gradients_are_refused_at_construction():
     with pytest.raises(ValueError, match="optimizer: SparseAdam"):
         HybridTrainer(model, torch.optim.SparseAdam(list(model[0].parameters())), cross_entropy)
 
+
+def test_a_scheduler_the_trainer_cannot_step_is_refused_at_construction():
+    """Before, ReduceLROnPlateau failed at the first real step ('missing ... metrics')."""
+    model = mlp(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
+    with pytest.raises(TypeError, match="scheduler: ReduceLROnPlateau"):
+        HybridTrainer(model, optimizer, cross_entropy, scheduler=plateau)
+    other = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(model.parameters(), lr=0.1), step_size=5)
+    with pytest.raises(ValueError, match="scheduler: built over another optimizer"):
+        HybridTrainer(model, optimizer, cross_entropy, scheduler=other)
