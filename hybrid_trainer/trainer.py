@@ -152,7 +152,9 @@ class HybridTrainer:
         self.params = [p for p in model.parameters() if p.requires_grad and id(p) in ids]
         if not self.params:  # an optimizer built over another model's parameters
             raise ValueError("optimizer holds none of the model's trainable parameters")
-        self.params += [p for p in optimized if p.requires_grad and id(p) not in in_model]
+        # Not in the model's state_dict either: the checkpoint holds their values itself.
+        self._outside_model = [p for p in optimized if p.requires_grad and id(p) not in in_model]
+        self.params += self._outside_model
         self._check_dense(model, optimizer)
         self._untracked, self._param_groups = self._untracked_params(), len(optimizer.param_groups)
         self.device = self.params[0].device
@@ -777,6 +779,7 @@ class HybridTrainer:
             "version": CHECKPOINT_VERSION,
             "config": self.config.to_dict(),
             "model": self.model.state_dict(),
+            "outside_model": [p.detach().clone() for p in self._outside_model],
             "optimizer": self.optimizer.state_dict(),
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
             "scaler": None if self.scaler is None else self.scaler.state_dict(),
@@ -817,6 +820,9 @@ class HybridTrainer:
                              f"values), this one trains {here[0]} ({here[1]}): freeze and unfreeze as the saved "
                              f"run had before constructing the trainer that loads it")
         self.model.load_state_dict(state["model"])
+        with torch.no_grad():
+            for p, saved in zip(self._outside_model, state.get("outside_model", [])):
+                p.copy_(saved)
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])

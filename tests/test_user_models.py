@@ -153,3 +153,21 @@ def test_a_scheduler_the_trainer_cannot_step_is_refused_at_construction():
     other = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(model.parameters(), lr=0.1), step_size=5)
     with pytest.raises(ValueError, match="scheduler: built over another optimizer"):
         HybridTrainer(model, optimizer, cross_entropy, scheduler=other)
+
+
+def test_resume_restores_a_trained_tensor_outside_the_model(stream, tmp_path):
+    """The temperature is in no model's state_dict: the checkpoint must carry it itself."""
+    def trained(steps, resume_from=None):
+        model, temperature, optimizer, loss_fn = temperature_setup()
+        trainer = HybridTrainer(model, optimizer, loss_fn, HybridConfig(**FAST))
+        if resume_from is not None:
+            trainer.load(resume_from)
+        for batch in stream[trainer.step_count:steps]:
+            trainer.step(batch)
+        return trainer, [*model.parameters(), temperature]
+
+    reference, want = trained(14)
+    first, _ = trained(7)
+    first.save(tmp_path / "run.pt")
+    _, got = trained(14, resume_from=tmp_path / "run.pt")
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
