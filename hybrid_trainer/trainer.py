@@ -22,6 +22,7 @@ real updates; predicted steps do not advance it.
 """
 from __future__ import annotations
 
+import inspect
 import math
 import time
 import warnings
@@ -135,6 +136,11 @@ class HybridTrainer:
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+        if closure is not None and closure.default is inspect.Parameter.empty:  # LBFGS
+            raise TypeError(f"optimizer: {type(optimizer).__name__}.step needs a closure (it re-evaluates the "
+                            f"loss itself), and the trainer steps after its own backward; use a first-order "
+                            f"optimizer such as Adam")
         if not callable(loss_fn):
             raise TypeError("loss_fn must be callable as loss_fn(model, batch) -> scalar tensor")
         config = HybridConfig() if config is None else config

@@ -171,3 +171,10 @@ def test_resume_restores_a_trained_tensor_outside_the_model(stream, tmp_path):
     first.save(tmp_path / "run.pt")
     _, got = trained(14, resume_from=tmp_path / "run.pt")
     assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_an_optimizer_that_needs_a_closure_is_refused_at_construction():
+    """Before, LBFGS failed at the first real step ('missing ... closure')."""
+    model = mlp(0)
+    with pytest.raises(TypeError, match="optimizer: LBFGS.step needs a closure"):
+        HybridTrainer(model, torch.optim.LBFGS(model.parameters()), cross_entropy)
