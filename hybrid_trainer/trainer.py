@@ -35,6 +35,7 @@ import torch
 
 import hybrid_kernels as hk
 from hybrid_kernels.encode_state import NUM_FEATURES
+from hybrid_kernels.int8_quant import FLOAT_DTYPES
 
 from . import checkpoint
 from .anchor import WeightAnchor, buffer_slots
@@ -162,6 +163,13 @@ class HybridTrainer:
         self._outside_model = [p for p in optimized if p.requires_grad and id(p) not in in_model]
         self.params += self._outside_model
         self._check_dense(model, optimizer)
+        if config.predict:  # checked now: the first predicted step comes many steps in, inside the kernel
+            wide = next((p for p in self.params if p.dtype not in FLOAT_DTYPES), None)
+            if wide is not None:
+                name = next((repr(n) for n, p in unwrap(model).named_parameters() if p is wide), "outside the model")
+                raise TypeError(f"model: parameter {name} is {wide.dtype}, and predicted steps "
+                                f"update float32, float16 or bfloat16 weights; train it with "
+                                f"HybridConfig(predict=False) (the safety layer alone) or in float32")
         self._untracked, self._param_groups = self._untracked_params(), len(optimizer.param_groups)
         self.device = self.params[0].device
         self.ranks = RankSync(model, self.device)  # collectives that keep DDP ranks' decisions identical

@@ -178,3 +178,17 @@ def test_an_optimizer_that_needs_a_closure_is_refused_at_construction():
     model = mlp(0)
     with pytest.raises(TypeError, match="optimizer: LBFGS.step needs a closure"):
         HybridTrainer(model, torch.optim.LBFGS(model.parameters()), cross_entropy)
+
+
+def test_double_precision_weights_are_refused_at_construction_unless_prediction_is_off(stream):
+    """Before, a float64 model trained until its first predicted step, which failed in the kernel."""
+    def as_double(model, batch):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(model(x.double()), y)
+
+    model = mlp(0).double()
+    with pytest.raises(TypeError, match=r"model: parameter '0\.weight' is torch\.float64"):
+        HybridTrainer(model, torch.optim.AdamW(model.parameters()), as_double, HybridConfig(**FAST))
+    trainer = HybridTrainer(model, torch.optim.AdamW(model.parameters()), as_double,
+                            HybridConfig(**FAST, predict=False))
+    assert trainer.step(stream[0]).backward_done
