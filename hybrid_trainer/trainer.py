@@ -382,6 +382,10 @@ class HybridTrainer:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
                             f"{'' if not isinstance(loss, torch.Tensor) else ' of shape ' + str(tuple(loss.shape))}")
+        if torch.is_grad_enabled() and not loss.requires_grad:  # torch's own error names no culprit
+            raise TypeError("loss_fn returned a loss detached from the model's parameters (no grad_fn): "
+                            "return the tensor itself, not loss.item(), loss.detach() or one computed "
+                            "under torch.no_grad()")
         # A view of a 0-d loss would only add a node to the autograd graph (~15 µs forward and
         # backward per step, a large share of a 1 ms step).
         return loss if loss.dim() == 0 else loss.reshape(())

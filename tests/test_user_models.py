@@ -192,3 +192,14 @@ def test_double_precision_weights_are_refused_at_construction_unless_prediction_
     trainer = HybridTrainer(model, torch.optim.AdamW(model.parameters()), as_double,
                             HybridConfig(**FAST, predict=False))
     assert trainer.step(stream[0]).backward_done
+
+
+@pytest.mark.parametrize("detach", [lambda loss: loss.detach(), lambda loss: torch.tensor(loss.item())])
+def test_a_detached_loss_is_named_as_loss_fns_fault(stream, detach):
+    model = mlp(0)
+    trainer = HybridTrainer(model, torch.optim.AdamW(model.parameters()), lambda m, b: detach(cross_entropy(m, b)),
+                            HybridConfig(**FAST))
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(TypeError, match="loss_fn returned a loss detached"):
+        trainer.step(stream[0])
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
