@@ -10,13 +10,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
+import _configs
 from _digits import batches, digits_tensors, mlp
 
-FAST = dict(warmup_steps=8, full_steps=8, correct_steps=3, predict_lengths=(4,), verify_every=2,
-            dynamics_hidden=32, dynamics_window=4, dynamics_batch=8, dynamics_train_every=2)
+FAST = {**_configs.FAST, "verify_every": 2}
 # Predicted steps whatever they are worth, and verifications strict enough to reject some.
-ALWAYS = dict(confidence_threshold=0.0, min_predicted_worth=-1.0, cost_aware=False,
-              loss_tolerance=0.0, noise_z=0.25)
+ALWAYS = {**_configs.ALWAYS, "loss_tolerance": 0.0, "noise_z": 0.25}
 BATCH = 32
 
 

@@ -13,13 +13,9 @@ import hybrid_kernels as hk
 from hybrid_trainer import HybridConfig, HybridTrainer, Phase
 from hybrid_trainer.anchor import module_buffers
 
+from _configs import ALWAYS, FAST
 from _digits import batches, cross_entropy, digits_tensors, mlp
 
-# Small dynamics model and short phases keep the suite fast; semantics are the same as the defaults.
-FAST = dict(warmup_steps=8, full_steps=8, correct_steps=3, predict_lengths=(4,), verify_every=4,
-            dynamics_hidden=32, dynamics_window=4, dynamics_batch=8, dynamics_train_every=2)
-# Mechanism tests that need predicted steps whatever they are worth on this small task.
-ALWAYS = dict(confidence_threshold=0.0, min_predicted_worth=-1.0, cost_aware=False)
 
 
 @pytest.fixture(autouse=True)

@@ -5,11 +5,8 @@ import torch
 
 from hybrid_trainer import HybridConfig, HybridTrainer, Phase
 
+from _configs import ALWAYS, FAST
 from _digits import batches, cross_entropy, digits_tensors, mlp
-
-FAST = dict(warmup_steps=8, full_steps=8, correct_steps=3, predict_lengths=(4,), verify_every=4,
-            dynamics_hidden=32, dynamics_window=4, dynamics_batch=8, dynamics_train_every=2)
-ALWAYS = dict(confidence_threshold=0.0, min_predicted_worth=-1.0, cost_aware=False)
 
 
 @pytest.fixture(autouse=True)
