@@ -57,7 +57,8 @@ class RankSync:
 
     def mean(self, value: torch.Tensor) -> torch.Tensor:
         """Mean of ``value`` (any shape, float) over the ranks, identical on every rank; non-finite
-        on every rank if it is on any. Returns a new tensor on ``value``'s device and dtype."""
+        on every rank if it is on any. A new tensor on ``value``'s device and dtype (on a single
+        process ``value`` itself)."""
         return self.start_mean(value).wait()
 
     def start_mean(self, value: torch.Tensor) -> PendingMean:

@@ -173,6 +173,12 @@ class HybridTrainer:
         self._untracked, self._param_groups = self._untracked_params(), len(optimizer.param_groups)
         self.device = self.params[0].device
         self.ranks = RankSync(model, self.device)  # collectives that keep DDP ranks' decisions identical
+        if self.ranks.active and self._outside_model:
+            # DDP averages the gradients of its module's parameters only: such a tensor would take
+            # a different update on each rank, and with it a different gradient norm and verdict.
+            raise ValueError(f"optimizer: trains {len(self._outside_model)} tensor(s) outside the "
+                             f"DistributedDataParallel model, whose gradients DDP does not average across "
+                             f"ranks; make them parameters of the wrapped module")
         # Output paths decide nothing (and rank 0 alone writes the metrics): they may differ.
         self.ranks.check_same("config", {k: v for k, v in config.to_dict().items()
                                          if k not in ("metrics_path", "emergency_checkpoint_path")})

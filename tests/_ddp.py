@@ -144,6 +144,21 @@ def mismatched(rank: int, world: int, out_dir: str) -> dict:
     return {"error": None}
 
 
+def outside_model(rank: int, world: int, out_dir: str) -> dict:
+    """The optimizer also trains a loss temperature outside the DDP model: construction must
+    refuse, since DDP would not average its gradient."""
+    from hybrid_trainer import HybridConfig, HybridTrainer
+
+    model = DistributedDataParallel(mlp(0))
+    temperature = torch.nn.Parameter(torch.ones(()))
+    optimizer = torch.optim.AdamW([*model.parameters(), temperature], lr=0.05)
+    try:
+        HybridTrainer(model, optimizer, clean_loss, config=HybridConfig(**FAST))
+    except ValueError as error:
+        return {"error": str(error)}
+    return {"error": None}
+
+
 def resume(rank: int, world: int, out_dir: str, steps: int, save_at: int, config: dict,
            load: bool) -> dict:
     """Uninterrupted (``load=False``: save at ``save_at`` and go on) or resumed (``load=True``:
@@ -165,5 +180,5 @@ def resume(rank: int, world: int, out_dir: str, steps: int, save_at: int, config
     return outcome
 
 
-SCENARIOS = {"train": train, "mismatched": mismatched, "resume_full": lambda *a, **k: resume(*a, load=False, **k),
+SCENARIOS = {"train": train, "mismatched": mismatched, "outside_model": outside_model, "resume_full": lambda *a, **k: resume(*a, load=False, **k),
              "resume_loaded": lambda *a, **k: resume(*a, load=True, **k)}

@@ -40,6 +40,7 @@ def ddp_runs(tmp_path_factory):
             # job only checks that the timings agree, whatever path they lead to.
             "costs": ("train", dict(steps=30, config={**_ddp.ALWAYS, "cost_aware": True})),
             "mismatched": ("mismatched", {}),
+            "outside_model": ("outside_model", {}),
             "uninterrupted": ("resume_full", RESUME),
             "resumed": ("resume_loaded", RESUME),
         })
@@ -150,6 +151,11 @@ def test_resume_under_ddp_reproduces_the_uninterrupted_run_on_every_rank(ddp_run
 def test_ranks_configured_differently_are_refused_at_construction(ddp_runs):
     errors = [r["error"] for r in ddp_runs["mismatched"]]
     assert all(e is not None and "verify_every" in e for e in errors), errors
+
+
+def test_a_trained_tensor_outside_the_ddp_model_is_refused_at_construction(ddp_runs):
+    errors = [r["error"] for r in ddp_runs["outside_model"]]
+    assert all(e is not None and "outside the DistributedDataParallel model" in e for e in errors), errors
 
 
 def test_rank_sync_is_the_identity_without_ddp():
