@@ -93,6 +93,21 @@ class WeightAverage:
         finally:
             self._anchor.restore()
 
+    @torch.no_grad()
+    def retarget(self, params: list[torch.Tensor]) -> WeightAverage:
+        """The average over ``params``, another set of trained tensors (after freezing or
+        unfreezing some): a tensor in both keeps its averages; a newly trained one starts at its
+        value, which is its exact average, since it did not move while it was frozen."""
+        average = WeightAverage(params)
+        kept = {id(p): i for i, p in enumerate(self.params)}
+        for j, p in enumerate(params):
+            i = kept.get(id(p))
+            if i is not None:
+                average._fast[j].copy_(self._fast[i])
+                average._slow[j].copy_(self._slow[i])
+        average.updates = self.updates
+        return average
+
     def state_dict(self) -> dict:
         return {"fast": [t.clone() for t in self._fast], "slow": [t.clone() for t in self._slow],
                 "updates": self.updates}

@@ -112,6 +112,7 @@ class RunStatistics:
     predict_phases_rejected: int = 0
     divergence_rollbacks: int = 0
     skipped_steps: int = 0
+    trained_set_changes: int = 0  # freezing / unfreezing followed (see _follow_trainable_change)
 
 
 class HybridTrainer:
@@ -122,9 +123,8 @@ class HybridTrainer:
             ``DistributedDataParallel`` model makes every rank decide alike
             (:mod:`hybrid_trainer.distributed`); then ``save`` is collective.
         optimizer: any ``torch.optim.Optimizer`` over (a subset of) the model's parameters, and
-            any trained tensor outside the model (a loss's learned temperature). Which of them
-            train is fixed at construction: after freezing or unfreezing some (or
-            ``add_param_group``), construct a new trainer; a step refuses the change.
+            any trained tensor outside the model (a loss's learned temperature). Freezing or
+            unfreezing some (``requires_grad_``, ``add_param_group``) is followed at the next step.
         loss_fn: ``loss_fn(model, batch) -> 0-d tensor`` (see module docstring).
         config: :class:`HybridConfig` (defaults if None).
         scheduler: optional LR scheduler, stepped after each real optimizer step.
@@ -151,26 +151,11 @@ class HybridTrainer:
         self._check_scheduler(scheduler, optimizer)
         self.model, self.optimizer, self.loss_fn, self.config, self.scheduler = model, optimizer, loss_fn, config, scheduler
 
-        # Everything the optimizer trains is guarded, snapshotted and predicted, the model's own
-        # parameters first, in model order: a trainable tensor outside the model (a learned loss
-        # weight or temperature) would otherwise take a NaN update and keep it through a rollback.
-        optimized = [p for group in optimizer.param_groups for p in group["params"]]
-        ids, in_model = {id(p) for p in optimized}, {id(p) for p in model.parameters()}
-        self.params = [p for p in model.parameters() if p.requires_grad and id(p) in ids]
+        self.params, self._outside_model = self._trained_tensors()
         if not self.params:  # an optimizer built over another model's parameters
             raise ValueError("optimizer holds none of the model's trainable parameters")
-        # Not in the model's state_dict either: the checkpoint holds their values itself.
-        self._outside_model = [p for p in optimized if p.requires_grad and id(p) not in in_model]
-        self.params += self._outside_model
         self._check_dense(model, optimizer)
-        if config.predict:  # checked now: the first predicted step comes many steps in, inside the kernel
-            wide = next((p for p in self.params if p.dtype not in FLOAT_DTYPES), None)
-            if wide is not None:
-                name = next((repr(n) for n, p in unwrap(model).named_parameters() if p is wide), "outside the model")
-                raise TypeError(f"model: parameter {name} is {wide.dtype}, and predicted steps "
-                                f"update float32, float16 or bfloat16 weights; train it with "
-                                f"HybridConfig(predict=False) (the safety layer alone) or in float32")
-        self._untracked, self._param_groups = self._untracked_params(), len(optimizer.param_groups)
+        self._check_predictable(self.params)
         self.device = self.params[0].device
         self.ranks = RankSync(model, self.device)  # collectives that keep DDP ranks' decisions identical
         if self.ranks.active and self._outside_model:
@@ -183,12 +168,8 @@ class HybridTrainer:
         self.ranks.check_same("config", {k: v for k, v in config.to_dict().items()
                                          if k not in ("metrics_path", "emergency_checkpoint_path")})
 
-        self.predictor = DeltaPredictor(self.params, config.direction, config.ema_beta, config.history_size,
-                                        config.scale_beta, config.scale_max)
-        buffers = buffer_slots(unwrap(model))  # e.g. batch-norm statistics: forwards change them too
-        self.anchor = WeightAnchor(self.params, buffers=buffers)  # last verified point of a PREDICT phase
-        self.good_state = WeightAnchor(self.params, buffers=buffers)  # last healthy point (divergence rollback)
-        self.weight_average = WeightAverage(self.params) if config.weight_average else None
+        self.weight_average = None
+        self._track(self.params, self._outside_model)
         self.history = hk.StateHistory(device=self.device)
         self.normalizer = RunningNormalizer(NUM_FEATURES)
         self.dynamics = DynamicsModel(n_features=NUM_FEATURES, hidden=config.dynamics_hidden,
@@ -214,9 +195,6 @@ class HybridTrainer:
         self.vram_guard = (VRAMGuard(config.vram_warning, config.vram_critical, reader,
                                      on_critical=self._emergency_checkpoint)
                            if config.vram_critical is not None else None)
-        # The int8 update history ("linear" direction) is not read while predicting either.
-        self.offloader = (StateOffloader(optimizer, extra=self.predictor.history_tensors)
-                          if config.offload_while_predicting else None)
         self.grad_checkpointing = self._make_grad_checkpointing(unwrap(model), config)
 
         self.step_count = 0
@@ -240,9 +218,9 @@ class HybridTrainer:
         """One training step on ``batch`` (a list of ``grad_accumulation`` micro-batches when
         accumulation is configured). Returns a :class:`StepResult`."""
         started = time.perf_counter()
+        self._follow_trainable_change()
         phase = self.controller.phase
         try:
-            self._check_trainable()
             if phase is Phase.PREDICT:
                 result = self._predict_step(batch)
             else:
@@ -301,33 +279,76 @@ class HybridTrainer:
             raise ValueError("optimizer: SparseAdam takes sparse gradients only, and the trainer needs dense "
                              "ones; use Adam or AdamW")
 
-    def _untracked_params(self) -> list[torch.Tensor]:
-        """The optimizer's parameters outside ``self.params`` (frozen when it was taken)."""
-        tracked = {id(p) for p in self.params}
-        return [p for group in self.optimizer.param_groups for p in group["params"] if id(p) not in tracked]
+    def _trained_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``(params, outside)``: every tensor the optimizer trains now, the model's parameters
+        first in model order, and those of them outside the model. All of them are guarded,
+        snapshotted and predicted: a trained tensor outside the model (a learned loss weight or
+        temperature) would otherwise take a NaN update and keep it through a rollback. Those
+        outside are in no model ``state_dict``, so the checkpoint holds their values itself."""
+        optimized = [p for group in self.optimizer.param_groups for p in group["params"]]
+        ids, in_model = {id(p) for p in optimized}, {id(p) for p in self.model.parameters()}
+        params = [p for p in self.model.parameters() if p.requires_grad and id(p) in ids]
+        outside = [p for p in optimized if p.requires_grad and id(p) not in in_model]
+        return params + outside, outside
 
-    def _check_trainable(self) -> None:
-        """Refuse a change of which parameters train, before it reaches any weight. The NaN guard,
-        both anchors and the predictor cover the parameters that trained at construction: one
-        unfrozen since (``requires_grad_()``, ``add_param_group``: gradual unfreezing) would take
-        a NaN update unchecked and keep its update through a rollback, and one frozen since would
-        go on moving with predicted steps."""
-        if len(self.optimizer.param_groups) != self._param_groups:
-            self._untracked, self._param_groups = self._untracked_params(), len(self.optimizer.param_groups)
-        unfrozen = [p for p in self._untracked if p.requires_grad]
-        # Without prediction nothing moves a frozen parameter: the plain loop's freezing works.
-        frozen = [p for p in self.params if not p.requires_grad] if self.controller.prediction_enabled else []
-        if unfrozen or frozen:
-            names = {id(p): name for name, p in unwrap(self.model).named_parameters()}
-            def listed(params):
-                return ", ".join(names.get(id(p), f"a tensor of shape {tuple(p.shape)} outside the model")
-                                 for p in params)
-            change = "; ".join(([f"{listed(unfrozen)} train now"] if unfrozen else [])
-                               + ([f"{listed(frozen)} no longer train"] if frozen else []))
-            raise ValueError(f"optimizer: the parameters that train changed since the HybridTrainer was "
-                             f"constructed ({change}); its NaN guard, rollback snapshots and predicted steps "
-                             f"cover those that trained then: construct a new HybridTrainer after freezing, "
-                             f"unfreezing or add_param_group")
+    def _check_predictable(self, params: list[torch.Tensor]) -> None:
+        """Checked when a tensor starts training: the first predicted step comes many steps
+        later, inside the kernel."""
+        wide = next((p for p in params if p.dtype not in FLOAT_DTYPES), None) if self.config.predict else None
+        if wide is not None:
+            name = next((repr(n) for n, p in unwrap(self.model).named_parameters() if p is wide), "outside the model")
+            raise TypeError(f"model: parameter {name} is {wide.dtype}, and predicted steps "
+                            f"update float32, float16 or bfloat16 weights; train it with "
+                            f"HybridConfig(predict=False) (the safety layer alone) or in float32")
+
+    def _track(self, params: list[torch.Tensor], outside: list[torch.Tensor]) -> None:
+        """(Re)build everything kept per trained tensor: the predictor's update history, both
+        snapshots, the weight average (carried over, see :meth:`WeightAverage.retarget`) and the
+        offloader's extra tensors."""
+        cfg = self.config
+        self.params, self._outside_model = params, outside
+        self.predictor = DeltaPredictor(params, cfg.direction, cfg.ema_beta, cfg.history_size,
+                                        cfg.scale_beta, cfg.scale_max)
+        buffers = buffer_slots(unwrap(self.model))  # e.g. batch-norm statistics: forwards change them too
+        self.anchor = WeightAnchor(params, buffers=buffers)  # last verified point of a PREDICT phase
+        self.good_state = WeightAnchor(params, buffers=buffers)  # last healthy point (divergence rollback)
+        if cfg.weight_average:
+            self.weight_average = (WeightAverage(params) if self.weight_average is None
+                                   else self.weight_average.retarget(params))
+        # The int8 update history ("linear" direction) is not read while predicting either.
+        self.offloader = (StateOffloader(self.optimizer, extra=self.predictor.history_tensors)
+                          if cfg.offload_while_predicting else None)
+        tracked = {id(p) for p in params}
+        self._untracked = [p for group in self.optimizer.param_groups for p in group["params"]
+                           if id(p) not in tracked]  # frozen now: watched for unfreezing
+        self._param_groups = len(self.optimizer.param_groups)
+
+    def _follow_trainable_change(self) -> None:
+        """Follow a change of which tensors train (``requires_grad_()``, ``add_param_group``:
+        gradual unfreezing, or freezing), before it reaches any weight: the NaN guard, both
+        snapshots and predicted steps must cover exactly what trains, or an unfrozen layer would
+        take a NaN update unchecked and keep its update through a rollback, and a frozen one would
+        go on moving with predicted steps. The update history restarts (a FULL phase follows);
+        the weight average carries over."""
+        if len(self.optimizer.param_groups) == self._param_groups and \
+                not any(p.requires_grad for p in self._untracked) and all(p.requires_grad for p in self.params):
+            return
+        if self.ranks.active:
+            raise ValueError("optimizer: the tensors that train changed under DistributedDataParallel, which "
+                             "fixes the parameters whose gradients it averages when it is constructed; wrap "
+                             "the model again after freezing or unfreezing, and construct a new HybridTrainer")
+        params, outside = self._trained_tensors()
+        if not params:
+            raise ValueError("optimizer: no tensor trains any more (every parameter frozen)")
+        self._check_predictable(params)
+        if self.controller.phase is Phase.PREDICT and self._unverified_steps and self.anchor.is_set:
+            self.anchor.restore()  # predicted for the old set: only verified steps stay
+            self._unverified_steps = 0
+        self._state_home()
+        self._track(params, outside)
+        self.predicted_worth = self._predicted_gain = None  # measured along the old direction
+        self.controller.force_full()
+        self.stats.trained_set_changes += 1
 
     # ------------------------------------------------------------------- memory helpers ----
     @staticmethod

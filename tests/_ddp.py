@@ -159,6 +159,26 @@ def outside_model(rank: int, world: int, out_dir: str) -> dict:
     return {"error": None}
 
 
+def unfreeze(rank: int, world: int, out_dir: str) -> dict:
+    """A layer unfrozen after DDP was built: DDP would not average its gradient, so the next
+    step must refuse on every rank."""
+    from hybrid_trainer import HybridConfig, HybridTrainer
+
+    net = mlp(0)
+    net[0].requires_grad_(False)
+    model = DistributedDataParallel(net)
+    trainer = HybridTrainer(model, torch.optim.AdamW(model.parameters(), lr=0.05), clean_loss,
+                            config=HybridConfig(**FAST))
+    data = global_batches(world, 3)
+    trainer.step(rank_batch(data[0], rank))
+    net[0].requires_grad_(True)
+    try:
+        trainer.step(rank_batch(data[1], rank))
+    except ValueError as error:
+        return {"error": str(error)}
+    return {"error": None}
+
+
 def resume(rank: int, world: int, out_dir: str, steps: int, save_at: int, config: dict,
            load: bool) -> dict:
     """Uninterrupted (``load=False``: save at ``save_at`` and go on) or resumed (``load=True``:
@@ -180,5 +200,6 @@ def resume(rank: int, world: int, out_dir: str, steps: int, save_at: int, config
     return outcome
 
 
-SCENARIOS = {"train": train, "mismatched": mismatched, "outside_model": outside_model, "resume_full": lambda *a, **k: resume(*a, load=False, **k),
+SCENARIOS = {"train": train, "mismatched": mismatched, "outside_model": outside_model,
+             "unfreeze": unfreeze, "resume_full": lambda *a, **k: resume(*a, load=False, **k),
              "resume_loaded": lambda *a, **k: resume(*a, load=True, **k)}

@@ -41,6 +41,7 @@ def ddp_runs(tmp_path_factory):
             "costs": ("train", dict(steps=30, config={**_ddp.ALWAYS, "cost_aware": True})),
             "mismatched": ("mismatched", {}),
             "outside_model": ("outside_model", {}),
+            "unfreeze": ("unfreeze", {}),
             "uninterrupted": ("resume_full", RESUME),
             "resumed": ("resume_loaded", RESUME),
         })
@@ -156,6 +157,11 @@ def test_ranks_configured_differently_are_refused_at_construction(ddp_runs):
 def test_a_trained_tensor_outside_the_ddp_model_is_refused_at_construction(ddp_runs):
     errors = [r["error"] for r in ddp_runs["outside_model"]]
     assert all(e is not None and "outside the DistributedDataParallel model" in e for e in errors), errors
+
+
+def test_unfreezing_under_ddp_is_refused_on_every_rank(ddp_runs):
+    errors = [r["error"] for r in ddp_runs["unfreeze"]]
+    assert all(e is not None and "changed under DistributedDataParallel" in e for e in errors), errors
 
 
 def test_rank_sync_is_the_identity_without_ddp():

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from hybrid_trainer import HybridConfig, HybridTrainer, Phase
+from hybrid_trainer.averaging import WeightAverage
 
 from _configs import ALWAYS, FAST
 from _digits import batches, cross_entropy, digits_tensors, mlp
@@ -81,10 +82,9 @@ def test_a_trained_tensor_outside_the_model_is_guarded_and_rolled_back(stream):
 
 
 @pytest.mark.parametrize("how", ["requires_grad", "add_param_group"])
-def test_unfreezing_mid_run_is_refused_before_any_update(stream, how):
-    """Gradual unfreezing: the first layer trains from step 5 on. The trainer's NaN guard and
-    snapshots cover what trained at construction, so it refuses the step, weights untouched,
-    instead of letting the new parameters take an unchecked update."""
+def test_unfreezing_mid_run_is_guarded_from_the_next_step_on(stream, how):
+    """Gradual unfreezing: the first layer trains from step 5 on. Its first gradient is NaN:
+    the guard must refuse it (weights untouched), then the layer trains and is snapshotted."""
     model = mlp(0)
     first = list(model[0].parameters())
     for p in first:
@@ -99,24 +99,42 @@ def test_unfreezing_mid_run_is_refused_before_any_update(stream, how):
         optimizer.add_param_group({"params": first, "lr": 0.01})
     handle = first[0].register_hook(lambda g: g * float("nan"))
     before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(ValueError, match=r"optimizer: .*0\.weight, 0\.bias train now"):
-        trainer.step(stream[5])
+    assert trainer.step(stream[5]).skipped
     handle.remove()
     assert all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
+    trainer.step(stream[6])
+    assert not torch.equal(first[0].detach(), before[0])  # it trains now
+    assert all(any(q is p for q in trainer.good_state.params) for p in first)
+    assert trainer.stats.trained_set_changes == 1
 
 
-def test_freezing_mid_run_is_refused_while_predicting_would_move_the_frozen_weights(stream):
+def test_freezing_mid_predict_rolls_back_the_unverified_steps_and_stops_moving_the_frozen_weights(stream):
     model = mlp(0)
     trainer = HybridTrainer(model, torch.optim.AdamW(model.parameters(), lr=0.05), cross_entropy,
                             HybridConfig(**FAST, **ALWAYS))
     i = run_until_phase(trainer, stream, Phase.PREDICT)
+    anchored = [p.detach().clone() for p in model.parameters()]
     trainer.step(stream[i])  # an unverified predicted step
     for p in model[0].parameters():
         p.requires_grad_(False)
-    with pytest.raises(ValueError, match=r"0\.weight, 0\.bias no longer train"):
-        trainer.step(stream[i + 1])
-    for p, anchored in zip(trainer.params, trainer.anchor.state_dict()["params"]):
-        assert torch.equal(p.detach(), anchored)  # and the unverified delta went back
+    assert trainer.step(stream[i + 1]).phase == "FULL"  # the update history restarts
+    frozen = [p.detach().clone() for p in model[0].parameters()]
+    assert all(torch.equal(p, a) for p, a in zip(frozen, anchored[:2]))  # the unverified delta went back
+    phases = {trainer.step(batch).phase for batch in stream[i + 2:i + 40]}
+    assert "PREDICT" in phases
+    assert all(torch.equal(p.detach(), f) for p, f in zip(model[0].parameters(), frozen))
+    assert not any(p is q for p in model[0].parameters() for q in trainer.params)
+
+
+def test_the_weight_average_carries_over_a_change_of_trained_tensors():
+    a, b, c = (torch.full((3,), v) for v in (1.0, 2.0, 3.0))
+    average = WeightAverage([a, b])
+    b += 1.0
+    average.update()
+    moved = average.retarget([b, c])
+    assert moved.updates == 1
+    assert torch.equal(moved._fast[0], average._fast[1]) and torch.equal(moved._slow[0], average._slow[1])
+    assert torch.equal(moved._fast[1], c) and torch.equal(moved.estimate()[1], c)  # never moved: its average
 
 
 def test_loading_a_checkpoint_of_other_trained_parameters_names_it(stream, tmp_path):
