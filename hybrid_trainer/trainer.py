@@ -152,7 +152,7 @@ class HybridTrainer:
         self.model, self.optimizer, self.loss_fn, self.config, self.scheduler = model, optimizer, loss_fn, config, scheduler
 
         self.params, self._outside_model = self._trained_tensors()
-        if not self.params:  # an optimizer built over another model's parameters
+        if len(self.params) == len(self._outside_model):  # an optimizer built over another model's parameters
             raise ValueError("optimizer holds none of the model's trainable parameters")
         self._check_dense(model, optimizer)
         self._check_predictable(self.params)
