@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import gc
 import hashlib
 import json
 import os
@@ -141,6 +142,10 @@ def _rank_main(rank: int, world: int, init_file: str, result_file: str, args: di
             progress.close()
             Path(result_file).write_text(json.dumps(runs))
     finally:
+        # Trainers in reference cycles (a bound method held by their own memory guard) keep their
+        # DDP models alive until the cyclic collector runs; one freed after the group is
+        # destroyed can abort the process, so they go first.
+        gc.collect()
         dist.destroy_process_group()
 
 

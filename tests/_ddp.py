@@ -3,6 +3,7 @@ DistributedDataParallel (gloo, CPU) on its own shard of the batch stream and sav
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 
 import torch
@@ -72,6 +73,10 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str, jobs: dict) 
             result = SCENARIOS[scenario](rank, world, out_dir, **kwargs)
             torch.save(result, os.path.join(out_dir, f"{name}_rank{rank}.pt"))
     finally:
+        # Trainers in reference cycles (a bound method held by their own memory guard) keep their
+        # DDP models alive until the cyclic collector runs; one freed after the group is
+        # destroyed can abort the process, so they go first.
+        gc.collect()
         dist.destroy_process_group()
 
 
