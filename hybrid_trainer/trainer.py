@@ -343,6 +343,7 @@ class HybridTrainer:
         self._check_predictable(params)
         if self.controller.phase is Phase.PREDICT and self._unverified_steps and self.anchor.is_set:
             self.anchor.restore()  # predicted for the old set: only verified steps stay
+            self.stats.predicted_steps_rolled_back += self._unverified_steps
             self._unverified_steps = 0
         self._state_home()
         self._track(params, outside)

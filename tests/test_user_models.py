@@ -118,6 +118,7 @@ def test_freezing_mid_predict_rolls_back_the_unverified_steps_and_stops_moving_t
     for p in model[0].parameters():
         p.requires_grad_(False)
     assert trainer.step(stream[i + 1]).phase == "FULL"  # the update history restarts
+    assert trainer.stats.predicted_steps_rolled_back == 1
     frozen = [p.detach().clone() for p in model[0].parameters()]
     assert all(torch.equal(p, a) for p, a in zip(frozen, anchored[:2]))  # the unverified delta went back
     phases = {trainer.step(batch).phase for batch in stream[i + 2:i + 40]}
