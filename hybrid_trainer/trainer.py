@@ -70,6 +70,16 @@ def grad_norm_tensor(grads: list[torch.Tensor]) -> torch.Tensor | None:
     return torch.nn.utils.get_total_norm(grads)
 
 
+def _without_ddp_prefix(weights: dict[str, Any], module: torch.nn.Module) -> dict[str, Any]:
+    """``weights`` keyed as ``module`` expects: checkpoints written before the trainer saved the
+    unwrapped module's keys hold a DDP wrapper's (``module.`` before every key)."""
+    prefix = "module."
+    if weights and all(k.startswith(prefix) for k in weights) and \
+            not any(k.startswith(prefix) for k in module.state_dict()):
+        return {k[len(prefix):]: v for k, v in weights.items()}
+    return weights
+
+
 def _reads_are_free(device: torch.device) -> bool:
     """Whether reading a value from ``device`` waits for nothing: a CPU op has finished when it
     returns, so there each read costs ~0.3 µs and merging two costs a stack (~7 µs)."""
@@ -824,7 +834,8 @@ class HybridTrainer:
         return {
             "version": CHECKPOINT_VERSION,
             "config": self.config.to_dict(),
-            "model": self.model.state_dict(),
+            # The wrapped module's own keys: a DDP run resumes in a single process and back.
+            "model": unwrap(self.model).state_dict(),
             "outside_model": [p.detach().clone() for p in self._outside_model],
             "optimizer": self.optimizer.state_dict(),
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
@@ -865,7 +876,8 @@ class HybridTrainer:
             raise ValueError(f"checkpoint: saved by a trainer training {saved[0]} parameter tensors ({saved[1]} "
                              f"values), this one trains {here[0]} ({here[1]}): freeze and unfreeze as the saved "
                              f"run had before constructing the trainer that loads it")
-        self.model.load_state_dict(state["model"])
+        module = unwrap(self.model)
+        module.load_state_dict(_without_ddp_prefix(state["model"], module))
         with torch.no_grad():
             for p, saved in zip(self._outside_model, state.get("outside_model", [])):
                 p.copy_(saved)

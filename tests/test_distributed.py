@@ -186,3 +186,21 @@ def test_a_checkpoint_of_another_number_of_ranks_resumes_with_rank_0s_streams():
         trainer().load_state_dict(state)
     expected = torch.rand(3, generator=torch.Generator().set_state(rank0_streams["torch"]))
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_a_ddp_checkpoint_resumes_in_a_single_process(ddp_runs):
+    """World size 2 -> 1: the model is no longer DDP-wrapped, so the checkpoint's weights must
+    not be keyed by the wrapper (``module.``); likewise a single process's checkpoint loads under
+    DDP."""
+    path = os.path.join(ddp_runs["out_dir"], "resume.pt")
+    saved = torch.load(path, weights_only=True)["model"]
+    model = mlp(0)
+    trainer = HybridTrainer(model, torch.optim.AdamW(model.parameters()), _ddp.clean_loss,
+                            config=HybridConfig(**{**_ddp.FAST, **_ddp.ALWAYS}))
+    with pytest.warns(UserWarning, match="written by 2 ranks, resumed on 1"):
+        trainer.load(path)
+    assert set(saved) == set(model.state_dict())
+    assert all(torch.equal(model.state_dict()[k], saved[k]) for k in saved)
+    legacy = trainer.state_dict()  # as written before: keyed by the DDP wrapper
+    legacy["model"] = {f"module.{k}": v for k, v in legacy["model"].items()}
+    trainer.load_state_dict(legacy)
