@@ -939,4 +939,7 @@ class HybridTrainer:
         self.ranks.barrier()
 
     def load(self, path) -> None:
-        self.load_state_dict(checkpoint.load(path, map_location=self.device))
+        # Onto the CPU, not this trainer's device: the random streams (torch's, the dynamics
+        # sampler's) are restored only from CPU byte tensors, forecasts live on the CPU, and every
+        # loader copies what it restores onto its own tensors' device (this rank's GPU).
+        self.load_state_dict(checkpoint.load(path, map_location="cpu"))

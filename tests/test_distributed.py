@@ -204,3 +204,38 @@ def test_a_ddp_checkpoint_resumes_in_a_single_process(ddp_runs):
     legacy = trainer.state_dict()  # as written before: keyed by the DDP wrapper
     legacy["model"] = {f"module.{k}": v for k, v in legacy["model"].items()}
     trainer.load_state_dict(legacy)
+
+
+def _digits_trainer():
+    model = mlp(0)
+    return HybridTrainer(model, torch.optim.AdamW(model.parameters()), _ddp.clean_loss,
+                         config=HybridConfig(**_ddp.FAST))
+
+
+def test_load_keeps_random_streams_on_the_cpu_whatever_the_trainers_device(tmp_path):
+    """Each rank loads the one checkpoint onto its own device. Mapping the whole file there moved
+    the RNG and sampler states too, which torch only takes as CPU byte tensors: on a GPU ``load``
+    raised. A trainer whose device is ``meta`` stands in for a GPU here (every loader moves what
+    it restores to its own tensors' device)."""
+    first = _digits_trainer()
+    first.save(tmp_path / "ckpt.pt")
+    draw = torch.rand(3)
+    resumed = _digits_trainer()
+    resumed.device = torch.device("meta")
+    resumed.load(tmp_path / "ckpt.pt")
+    assert torch.equal(torch.rand(3), draw)
+    assert all(torch.equal(a, b) for a, b in zip(resumed.params, first.params))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_load_onto_a_cuda_trainer(tmp_path):
+    def cuda_trainer():
+        model = mlp(0).cuda()
+        return HybridTrainer(model, torch.optim.AdamW(model.parameters()), _ddp.clean_loss,
+                             config=HybridConfig(**_ddp.FAST))
+
+    first = cuda_trainer()
+    first.save(tmp_path / "ckpt.pt")
+    draw = torch.rand(3)
+    cuda_trainer().load(tmp_path / "ckpt.pt")
+    assert torch.equal(torch.rand(3), draw)
