@@ -91,12 +91,20 @@ class RankSync:
         if not self.active:
             return [obj]
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, obj, group=self.group)
+        with self._own_device():
+            dist.all_gather_object(gathered, obj, group=self.group)
         return gathered
 
     def barrier(self) -> None:
         if self.active:
-            dist.barrier(group=self.group)
+            with self._own_device():
+                dist.barrier(group=self.group)
+
+    def _own_device(self):
+        """This rank's GPU made current: NCCL's object collectives and barrier put their tensors
+        on the current CUDA device, which stays cuda:0 on every rank unless the user called
+        ``torch.cuda.set_device`` (moving the model with ``.to(f"cuda:{rank}")`` does not)."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext()
 
     def check_same(self, name: str, value: dict[str, Any]) -> None:
         """Raise ``ValueError`` naming the keys of ``value`` that differ between ranks: a trainer

@@ -239,3 +239,40 @@ def test_load_onto_a_cuda_trainer(tmp_path):
     draw = torch.rand(3)
     cuda_trainer().load(tmp_path / "ckpt.pt")
     assert torch.equal(torch.rand(3), draw)
+
+
+def test_nccl_object_collectives_and_barrier_run_on_the_ranks_own_gpu(monkeypatch):
+    """NCCL's ``all_gather_object`` and ``barrier`` place their tensors on the *current* CUDA
+    device, which a rank that moved its model with ``.to(f"cuda:{rank}")`` but never called
+    ``torch.cuda.set_device`` leaves at cuda:0, the same GPU on every rank (NCCL then fails or
+    hangs). RankSync must make the model's device current around them (no GPU here: the CUDA
+    device context and the collectives are stand-ins)."""
+    import hybrid_trainer.distributed as distributed
+
+    current = ["cuda:0"]
+
+    class DeviceContext:
+        def __init__(self, device):
+            self.device, self.previous = str(torch.device(device)), None
+
+        def __enter__(self):
+            self.previous, current[0] = current[0], self.device
+
+        def __exit__(self, *exc):
+            current[0] = self.previous
+
+    seen = []
+
+    def all_gather_object(out, obj, group=None):
+        seen.append(("gather", current[0]))
+        out[:] = [obj] * len(out)
+
+    monkeypatch.setattr(torch.cuda, "device", DeviceContext)
+    monkeypatch.setattr(distributed.dist, "all_gather_object", all_gather_object)
+    monkeypatch.setattr(distributed.dist, "barrier", lambda group=None: seen.append(("barrier", current[0])))
+    ranks = RankSync(mlp(0))
+    ranks.active, ranks.world_size, ranks.device = True, 2, torch.device("cuda", 1)
+    assert ranks.gather("x") == ["x", "x"]
+    ranks.barrier()
+    assert seen == [("gather", "cuda:1"), ("barrier", "cuda:1")]
+    assert current[0] == "cuda:0"
