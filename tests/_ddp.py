@@ -117,7 +117,8 @@ def train(rank: int, world: int, out_dir: str, steps: int, config: dict, nan_ste
         return original_no_sync()
 
     trainer.model.no_sync = counting_no_sync
-    records, poisoned_step = [], None
+    collectives = count_collectives()
+    records, poisoned_step, per_step = [], None, []
     for step, step_batches in enumerate(global_batches(world, steps, accumulation)):
         batch = rank_batch(step_batches, rank)
         if poisoned(trainer, step, nan_step) and poisoned_step is None:
@@ -125,11 +126,38 @@ def train(rank: int, world: int, out_dir: str, steps: int, config: dict, nan_ste
             if rank == 1:
                 x, y = batch
                 batch = (torch.full_like(x, float("nan")), y)
+        before = collectives[0]
         records.append(record(trainer.step(batch)))
+        per_step.append(collectives[0] - before)
+    collectives.restore()
     outcome = _outcome(trainer, records)
     outcome["no_sync_entries"] = no_sync_entries[0]
     outcome["poisoned_step"] = poisoned_step
+    outcome["collectives"] = per_step  # the trainer's own (DDP's gradient all-reduce is C++)
     return outcome
+
+
+class count_collectives(list):
+    """Counts the ``torch.distributed`` collectives the trainer calls (``self[0]``) until
+    :meth:`restore`."""
+
+    NAMES = ("all_reduce", "broadcast", "all_gather_object", "barrier")
+
+    def __init__(self):
+        super().__init__([0])
+        self.originals = {name: getattr(dist, name) for name in self.NAMES}
+        for name, original in self.originals.items():
+            setattr(dist, name, self._counting(original))
+
+    def _counting(self, original):
+        def call(*args, **kwargs):
+            self[0] += 1
+            return original(*args, **kwargs)
+        return call
+
+    def restore(self):
+        for name, original in self.originals.items():
+            setattr(dist, name, original)
 
 
 def poisoned(trainer, step: int, nan_step: int | None) -> bool:
@@ -138,6 +166,21 @@ def poisoned(trainer, step: int, nan_step: int | None) -> bool:
     from hybrid_trainer import Phase
 
     return nan_step is not None and step >= nan_step and trainer.controller.phase is not Phase.PREDICT
+
+
+def unwrapped(rank: int, world: int, out_dir: str) -> dict:
+    """A model not wrapped in DDP on an initialised process group trains as an independent run:
+    only rank 0 trains, so a collective would wait for a rank that never joins (a timeout)."""
+    from hybrid_trainer import HybridConfig, HybridTrainer
+
+    if rank != 0:
+        return {"steps": 0}
+    model = mlp(0)
+    trainer = HybridTrainer(model, torch.optim.AdamW(model.parameters(), lr=0.05), clean_loss,
+                            config=HybridConfig(**{**FAST, **ALWAYS}))
+    for step_batches in global_batches(world, 30):
+        trainer.step(rank_batch(step_batches, rank))
+    return {"steps": trainer.step_count, "predicted": trainer.stats.predicted_steps}
 
 
 def mismatched(rank: int, world: int, out_dir: str) -> dict:
@@ -205,6 +248,6 @@ def resume(rank: int, world: int, out_dir: str, steps: int, save_at: int, config
     return outcome
 
 
-SCENARIOS = {"train": train, "mismatched": mismatched, "outside_model": outside_model,
+SCENARIOS = {"train": train, "unwrapped": unwrapped, "mismatched": mismatched, "outside_model": outside_model,
              "unfreeze": unfreeze, "resume_full": lambda *a, **k: resume(*a, load=False, **k),
              "resume_loaded": lambda *a, **k: resume(*a, load=True, **k)}

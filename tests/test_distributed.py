@@ -39,6 +39,7 @@ def ddp_runs(tmp_path_factory):
             # Which parts get timed depends on the clock (the worth gate reads the costs), so this
             # job only checks that the timings agree, whatever path they lead to.
             "costs": ("train", dict(steps=30, config={**_ddp.ALWAYS, "cost_aware": True})),
+            "unwrapped": ("unwrapped", {}),
             "mismatched": ("mismatched", {}),
             "outside_model": ("outside_model", {}),
             "unfreeze": ("unfreeze", {}),
@@ -101,6 +102,23 @@ def test_ddp_run_is_the_single_process_run_on_the_concatenated_batches(ddp_runs)
             assert got == pytest.approx(want, rel=1e-5)
     for got, want in zip(result["weights"], weights):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_collectives_per_step_are_the_documented_ones(ddp_runs):
+    """One mean per real step and per verification; predicted steps between verifications
+    communicate nothing (a forecast broadcast or a calibrated timing rides on a real step)."""
+    result = ddp_runs["train"][0]
+    for (phase, _, verified, *_), count in zip(result["records"], result["collectives"]):
+        if phase == "PREDICT":
+            assert count == (1 if verified else 0)
+        else:
+            assert count >= 1
+    assert any(r[0] == "PREDICT" and not r[2] for r in result["records"])
+
+
+def test_an_unwrapped_model_on_a_process_group_trains_alone(ddp_runs):
+    solo, idle = ddp_runs["unwrapped"]
+    assert solo["steps"] == 30 and solo["predicted"] > 0 and idle["steps"] == 0
 
 
 def test_gradient_accumulation_all_reduces_once_per_step(ddp_runs):
