@@ -917,6 +917,10 @@ class HybridTrainer:
         holds every rank's (``rng_by_rank``); otherwise the one process's."""
         by_rank = state.get("rng_by_rank")
         if by_rank is None:
+            if self.ranks.active:
+                warnings.warn(f"checkpoint written by one process, resumed on {self.ranks.world_size} ranks: every "
+                              "rank takes its random streams, so the ranks draw the same dropout masks",
+                              stacklevel=3)
             return state["rng"]
         if len(by_rank) != self.ranks.world_size:
             warnings.warn(f"checkpoint written by {len(by_rank)} ranks, resumed on {self.ranks.world_size}: "

@@ -294,3 +294,17 @@ def test_nccl_object_collectives_and_barrier_run_on_the_ranks_own_gpu(monkeypatc
     ranks.barrier()
     assert seen == [("gather", "cuda:1"), ("barrier", "cuda:1")]
     assert current[0] == "cuda:0"
+
+
+def test_a_single_process_checkpoint_resumed_on_several_ranks_warns(monkeypatch):
+    def trainer():
+        model = mlp(0)
+        return HybridTrainer(model, torch.optim.AdamW(model.parameters()), _ddp.clean_loss,
+                             config=HybridConfig(**_ddp.FAST))
+
+    state = trainer().state_dict()
+    resumed = trainer()
+    monkeypatch.setattr(resumed.ranks, "active", True)  # what a DDP model's trainer on 2 ranks sees
+    monkeypatch.setattr(resumed.ranks, "world_size", 2)
+    with pytest.warns(UserWarning, match="written by one process, resumed on 2 ranks"):
+        resumed.load_state_dict(state)
