@@ -62,11 +62,11 @@ def rank_batches(task, seed: int, world: int, rank: int, steps: int) -> list:
     return batches[rank::world]
 
 
-def train_arm(arm: str, task, seed: int, lr: float, batches: list, group_world: int) -> dict:
+def train_arm(arm: str, task, seed: int, lr: float, batches: list) -> dict:
     """One arm on this rank; returns its per-step seconds and what it ends with."""
     from hybrid_trainer import HybridTrainer
 
-    from .e2e import preset_config
+    from .e2e import preset_config, training_step
 
     model = DistributedDataParallel(task.make_model(seed))
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -74,19 +74,15 @@ def train_arm(arm: str, task, seed: int, lr: float, batches: list, group_world: 
     if arm != "plain DDP":
         preset = arm.removeprefix("HybridTrainer (").removesuffix(")")
         trainer = HybridTrainer(model, optimizer, task.loss_fn, config=preset_config(preset))
+    step = training_step(task, model, optimizer, trainer)
     step_s, kinds = [], []
     dist.barrier()
     started = time.perf_counter()
     for batch in batches:
         mark = time.perf_counter()
-        if trainer is None:
-            optimizer.zero_grad(set_to_none=True)
-            task.loss_fn(model, batch).backward()
-            optimizer.step()
-            kind = "real"
-        else:
-            result = trainer.step(batch)
-            kind = "real" if result.backward_done else "predicted, verified" if result.verified else "predicted"
+        result = step(batch)  # None from the plain loop
+        kind = ("real" if result is None or result.backward_done
+                else "predicted, verified" if result.verified else "predicted")
         step_s.append(time.perf_counter() - mark)
         kinds.append(kind)
     dist.barrier()
@@ -121,7 +117,7 @@ def _rank_main(rank: int, world: int, init_file: str, result_file: str, args: di
             batches = rank_batches(task, seed, world, rank, args["steps"])
             order = ARMS[seed % len(ARMS):] + ARMS[:seed % len(ARMS)]
             for arm in order:
-                local = train_arm(arm, task, seed, args["lr"], batches, world)
+                local = train_arm(arm, task, seed, args["lr"], batches)
                 every = [None] * world
                 dist.all_gather_object(every, dict(step_s=local["step_s"], train_s=local["train_s"],
                                                    digest=local["digest"]))

@@ -148,8 +148,3 @@ def buffer_slots(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
                 seen.add(id(tensor))
                 slots.append((owner, name))
     return slots
-
-
-def module_buffers(module: torch.nn.Module) -> list[torch.Tensor]:
-    """The tensors in :func:`buffer_slots` now."""
-    return [owner._buffers[name] for owner, name in buffer_slots(module)]
