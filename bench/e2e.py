@@ -15,6 +15,9 @@ Protocol (shared/design.md §5):
   trainer evaluated at its lag-corrected weight average, at the rate a second sweep (1×, 2×, 4×
   the tuned one, final loss at the average) picks, with its control, the AdamW loop at that rate
   evaluated at the same average, so a gain is attributed to averaging, not to the trainer.
+  ``schedule-free``: the trainer (default config) over schedule-free AdamW (the ``schedulefree``
+  package) at the rate and warm-up a third sweep picks, with its control, the plain loop over the
+  same optimizer; both are evaluated at the optimizer's averaged weights (``optimizer.eval()``).
   Plain arms run ``steps`` steps; hybrid arms get 1.5× as many steps (they may see more batches;
   the claim is wall-clock).
 * Target = the tuned baseline's validation loss at 80% of its budget (mean over seeds). Reported
@@ -61,6 +64,13 @@ class ArmSpec:
     lr: float
     config: HybridConfig | None = None  # None: plain loop
     average: bool = False  # plain loop evaluated at its lag-corrected weight average (a control)
+    # Schedule-free AdamW (``schedulefree.AdamWScheduleFree``) with this many warm-up steps instead
+    # of AdamW; None: AdamW. Evaluated at its averaged weights (optimizer.eval()).
+    schedule_free_warmup: int | None = None
+
+    @property
+    def schedule_free(self) -> bool:
+        return self.schedule_free_warmup is not None
 
     @property
     def hybrid(self) -> bool:
@@ -85,7 +95,7 @@ class ArmRun:
 
     def __post_init__(self):
         self.model = self.task.make_model(self.seed)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.spec.lr, **ADAMW_OPTIONS)
+        self.optimizer = make_optimizer(self.spec, self.model.parameters())
         self.stream = self.task.batches(self.seed)
         self.trainer = (HybridTrainer(self.model, self.optimizer, self.task.loss_fn, self.spec.config)
                         if self.spec.hybrid else None)
@@ -126,7 +136,9 @@ class ArmRun:
 
     def _eval(self) -> None:
         self.model.eval()
-        if self.average is not None:
+        if self.spec.schedule_free:
+            averaged = schedule_free_evaluation(self.optimizer)
+        elif self.average is not None:
             averaged = self.average.swapped_in()
         elif self.trainer is not None and self.trainer.weight_average is not None:
             averaged = self.trainer.averaged_weights()
@@ -150,6 +162,30 @@ class ArmRun:
         s["cost_seconds"] = None if self.trainer.cost is None else dict(self.trainer.cost.seconds)
         keep = keep + ("cost_seconds",)
         return {k: s[k] for k in keep}
+
+
+def make_optimizer(spec: ArmSpec, params) -> torch.optim.Optimizer:
+    """AdamW at ``spec.lr`` (with :data:`ADAMW_OPTIONS`), or schedule-free AdamW when the arm asks."""
+    if not spec.schedule_free:
+        return torch.optim.AdamW(params, lr=spec.lr, **ADAMW_OPTIONS)
+    import schedulefree  # the bench extra; only schedule-free arms need it
+
+    optimizer = schedulefree.AdamWScheduleFree(params, lr=spec.lr, warmup_steps=spec.schedule_free_warmup,
+                                               betas=SCHEDULE_FREE_BETAS, weight_decay=ADAMW_WEIGHT_DECAY)
+    optimizer.train()
+    return optimizer
+
+
+@contextlib.contextmanager
+def schedule_free_evaluation(optimizer: torch.optim.Optimizer):
+    """The parameters at schedule-free's averaged point for the block, then back at the point its
+    gradients are taken (the library's ``eval()``/``train()`` pair; the pair is what every
+    schedule-free loop runs around evaluation, so plain and hybrid arms pay it alike)."""
+    optimizer.eval()
+    try:
+        yield
+    finally:
+        optimizer.train()
 
 
 def train_clock(device: torch.device) -> float:
@@ -300,6 +336,18 @@ def _budget(task: Task, arm: ArmSpec) -> int:
     return int(task.steps * HYBRID_STEP_FACTOR) if arm.hybrid else task.steps
 
 
+def sweep_schedule_free(task: Task, seed: int, tuned_lr: float) -> tuple[tuple[float, int], dict[str, float]]:
+    """The (rate, warm-up steps) of schedule-free AdamW, over :data:`SCHEDULE_FREE_LR_FACTORS` ×
+    ``tuned_lr`` and :data:`SCHEDULE_FREE_WARMUP_FRACTIONS` × the budget, with the lowest final
+    validation loss at its averaged weights; returns it and every candidate's final loss."""
+    grid = [(tuned_lr * f, round(task.steps * w)) for f in SCHEDULE_FREE_LR_FACTORS for w in SCHEDULE_FREE_WARMUP_FRACTIONS]
+    arms = [ArmSpec(f"sweep lr={lr:g} warmup={w}", lr, schedule_free_warmup=w) for lr, w in grid]
+    runs = run_arms(task, arms, [seed], desc=f"{task.name}: schedule-free sweep")
+    finals = {a.name.removeprefix("sweep "): runs[a.name][0].curve[-1]["val_loss"] for a in arms}
+    best = min(grid, key=lambda g: finals[f"lr={g[0]:g} warmup={g[1]}"])
+    return best, finals
+
+
 def sweep_lr(task: Task, seed: int, lrs: list[float] | None = None, average: bool = False
              ) -> tuple[float, dict[str, float]]:
     """The learning rate of ``lrs`` (default: the task's grid) with the lowest final validation
@@ -317,7 +365,16 @@ def sweep_lr(task: Task, seed: int, lrs: list[float] | None = None, average: boo
 # skipped on the device when they are not finite), which a GPU step otherwise waits for.
 ADAMW_OPTIONS: dict[str, object] = {}
 
-PRESETS = ("default", "conservative", "aggressive", "no-predict", "weight-average", "forced")
+PRESETS = ("default", "conservative", "aggressive", "no-predict", "weight-average", "schedule-free", "forced")
+# Schedule-free AdamW (Defazio et al. 2024, the ``schedulefree`` package): its gradients are taken
+# between an SGD-like iterate and the running average of it, and the average is what it evaluates.
+# Betas: (0.95, 0.95) from an exploration on charlm seed 0 (beta2 0.999 crossed the target ~15
+# steps later there; AdamW with beta2 0.95 got worse, so the baseline keeps the defaults); the
+# weight decay matches AdamW's default. Rate and warm-up come from a sweep (:func:`sweep_schedule_free`).
+SCHEDULE_FREE_BETAS = (0.95, 0.95)
+ADAMW_WEIGHT_DECAY = 0.01
+SCHEDULE_FREE_LR_FACTORS = (2.5, 5, 7.5)  # × the tuned AdamW rate
+SCHEDULE_FREE_WARMUP_FRACTIONS = (0, 1 / 3)  # × the step budget
 # Prediction at every phase decision, whatever it is worth, and never switched off: what the
 # worth gate saves a run from (the ``forced`` preset), and the warm-up's way to reach every kernel.
 FORCED_PREDICTION = dict(min_predicted_worth=-1.0, confidence_threshold=0.0, cost_aware=False,
@@ -339,6 +396,8 @@ def preset_config(name: str) -> HybridConfig:
         return HybridConfig(predict=False)
     if name == "weight-average":
         return HybridConfig(weight_average=True)
+    if name == "schedule-free":  # the default config; the arm's optimizer is what differs
+        return HybridConfig()
     if name in PRESETS:
         return getattr(HybridConfig, name)()
     raise ValueError(f"--presets: each must be one of {PRESETS}, got {name!r}")
@@ -395,9 +454,16 @@ def benchmark_task(name: str, quick: bool, n_seeds: int, presets: list[str], dev
         average_lr, average_sweep = sweep_lr(task, seed=1000, lrs=[tuned_lr * f for f in AVERAGE_LR_FACTORS],
                                              average=True)
         arms.append(ArmSpec("AdamW + weight average", average_lr, average=True))
+    free, free_sweep = (None, None), None
+    if "schedule-free" in presets:
+        # Its control is the same optimizer in the plain loop: a gain is the optimizer's, and the
+        # trainer's arm shows what it adds to it (or costs).
+        free, free_sweep = sweep_schedule_free(task, seed=1000, tuned_lr=tuned_lr)
+        arms.append(ArmSpec("Schedule-free AdamW", free[0], schedule_free_warmup=free[1]))
     for preset in presets:
-        lr = average_lr if preset == "weight-average" else tuned_lr
-        arms.append(ArmSpec(f"HybridTrainer ({preset})", lr, preset_config(preset)))
+        lr = average_lr if preset == "weight-average" else free[0] if preset == "schedule-free" else tuned_lr
+        arms.append(ArmSpec(f"HybridTrainer ({preset})", lr, preset_config(preset),
+                            schedule_free_warmup=free[1] if preset == "schedule-free" else None))
     seeds = list(range(n_seeds))
     if task.device.type == "cuda":
         warm_up(task, arms, steps=min(task.steps, WARM_UP_STEPS))
@@ -407,6 +473,9 @@ def benchmark_task(name: str, quick: bool, n_seeds: int, presets: list[str], dev
     result.update(task=name, data_source=task.data_source, details=task.details, steps=task.steps,
                   eval_every=task.eval_every, hybrid_step_factor=HYBRID_STEP_FACTOR, lr_sweep=sweep,
                   tuned_lr=tuned_lr, weight_average_lr=average_lr, weight_average_lr_sweep=average_sweep,
+                  schedule_free=None if free_sweep is None else dict(
+                      lr=free[0], warmup_steps=free[1], betas=list(SCHEDULE_FREE_BETAS),
+                      weight_decay=ADAMW_WEIGHT_DECAY, sweep=free_sweep),
                   seeds=seeds, wall_s=time.perf_counter() - started,
                   phases_first_hybrid={a.name: runs[a.name][0].phases for a in arms if a.hybrid})
     return result
@@ -434,7 +503,11 @@ def markdown(results: list[dict], meta: dict) -> str:
                   f"{r['tuned_lr']:g} from sweep {r['lr_sweep']}"
                   + ("" if r.get("weight_average_lr") is None else
                      f"; lr for evaluation at the weight average {r['weight_average_lr']:g} from sweep "
-                     f"{r['weight_average_lr_sweep']}") + f"; seeds {r['seeds']}.", "",
+                     f"{r['weight_average_lr_sweep']}")
+                  + ("" if not r.get("schedule_free") else
+                     f"; schedule-free AdamW lr {r['schedule_free']['lr']:g}, warm-up {r['schedule_free']['warmup_steps']} "
+                     f"steps, betas {tuple(r['schedule_free']['betas'])} from sweep {r['schedule_free']['sweep']}")
+                  + f"; seeds {r['seeds']}.", "",
                   "| arm | lr | time to target (s) | speed-up | backward to target | forward to target | val loss at equal "
                   "time | gap vs tuned | final val loss | backward saved | verifications ✓/✗ |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -533,7 +606,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     tasks = args.tasks or (["digits", "charlm"] if args.quick else ["charlm", "fashion", "digits"])
-    presets = args.presets or ["default", "weight-average", "no-predict"]
+    presets = args.presets or ["default", "weight-average", "schedule-free", "no-predict"]
     for name in presets:
         preset_config(name)  # a bad name fails here, not after the first task's runs
     args.out.mkdir(parents=True, exist_ok=True)

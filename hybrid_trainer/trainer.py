@@ -228,6 +228,7 @@ class HybridTrainer:
         """One training step on ``batch`` (a list of ``grad_accumulation`` micro-batches when
         accumulation is configured). Returns a :class:`StepResult`."""
         started = time.perf_counter()
+        self._check_train_mode()
         self._follow_trainable_change()
         phase = self.controller.phase
         try:
@@ -259,6 +260,16 @@ class HybridTrainer:
             self.vram_guard.check(result.step)
         self._log(result)
         return result
+
+    def _check_train_mode(self) -> None:
+        """A schedule-free optimizer (``schedulefree``'s) holds the weights at its averaged point
+        after ``optimizer.eval()``: a step, real or predicted, would move that point instead of the
+        one its gradients belong at. Its own ``step()`` refuses only after the forward, backward
+        and guard of the step have run; this refuses before anything runs."""
+        if not self.optimizer.param_groups[0].get("train_mode", True):
+            raise RuntimeError(f"optimizer: {type(self.optimizer).__name__} is in eval mode (optimizer.eval() was "
+                               "called, so the weights are its averaged ones); call optimizer.train() before "
+                               "trainer.step()")
 
     @staticmethod
     def _check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
