@@ -368,9 +368,10 @@ ADAMW_OPTIONS: dict[str, object] = {}
 PRESETS = ("default", "conservative", "aggressive", "no-predict", "weight-average", "schedule-free", "forced")
 # Schedule-free AdamW (Defazio et al. 2024, the ``schedulefree`` package): its gradients are taken
 # between an SGD-like iterate and the running average of it, and the average is what it evaluates.
-# Betas: (0.95, 0.95) from an exploration on charlm seed 0 (beta2 0.999 crossed the target ~15
-# steps later there; AdamW with beta2 0.95 got worse, so the baseline keeps the defaults); the
-# weight decay matches AdamW's default. Rate and warm-up come from a sweep (:func:`sweep_schedule_free`).
+# Betas (0.95, 0.95) from ``python -m bench.schedule_free`` (charlm seed 0: the target crossed at
+# step 267, against 286-290 with beta2 0.999; AdamW with beta2 0.95 got slower, so the baseline
+# keeps the defaults); the weight decay matches AdamW's default. Rate and warm-up come from a
+# sweep (:func:`sweep_schedule_free`).
 SCHEDULE_FREE_BETAS = (0.95, 0.95)
 ADAMW_WEIGHT_DECAY = 0.01
 SCHEDULE_FREE_LR_FACTORS = (2.5, 5, 7.5)  # × the tuned AdamW rate
