@@ -51,6 +51,10 @@ SETTINGS = [
     Setting("schedule-free", 8e-3, 150), Setting("schedule-free", 1.2e-2, 200), Setting("schedule-free", 1.6e-2, 200),
     *[Setting("schedule-free", lr, 200, (0.95, 0.999)) for lr in (1e-2, 1.5e-2)],
     *[Setting("schedule-free", lr, 200, (0.95, 0.95)) for lr in (1e-2, 1.5e-2)],
+    Setting("schedule-free", 1.5e-2, 200, (0.9, 0.95)),
+    # Past the end-to-end sweep's grid: shorter and longer warm-ups at larger rates.
+    Setting("schedule-free", 1.5e-2, 120, (0.95, 0.95)), Setting("schedule-free", 2e-2, 150, (0.95, 0.95)),
+    Setting("schedule-free", 2.5e-2, 250, (0.95, 0.95)),
 ]
 
 
