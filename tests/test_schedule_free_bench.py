@@ -8,9 +8,7 @@ from bench import e2e, schedule_free
 pytest.importorskip("schedulefree")
 
 
-@pytest.fixture(autouse=True)
-def eager(monkeypatch):
-    monkeypatch.setenv("HYBRID_KERNELS_BACKEND", "eager")  # the CPU path the benchmark runs, not the interpreter
+pytestmark = pytest.mark.usefixtures("eager_backend")  # the CPU path, not the Triton interpreter
 
 
 def test_quick_exploration_writes_crossings_against_the_tuned_runs_target(tmp_path):
