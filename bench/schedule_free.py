@@ -15,6 +15,7 @@ Output: ``<out>/schedule_free_<task>.json``, ``.md`` and ``.png`` (validation lo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import sys
@@ -82,7 +83,7 @@ def run(task, setting: Setting, seed: int) -> list[dict]:
 
     def evaluate(step: int) -> dict:
         model.eval()
-        with schedule_free_evaluation(optimizer) if setting.optimizer == "schedule-free" else torch.no_grad():
+        with schedule_free_evaluation(optimizer) if setting.optimizer == "schedule-free" else contextlib.nullcontext():
             val = task.val_loss(model)
         model.train()
         return dict(step=step, val_loss=val)
