@@ -18,6 +18,9 @@ Protocol (shared/design.md §5):
   ``schedule-free``: the trainer (default config) over schedule-free AdamW (the ``schedulefree``
   package) at the rate and warm-up a third sweep picks, with its control, the plain loop over the
   same optimizer; both are evaluated at the optimizer's averaged weights (``optimizer.eval()``).
+  ``muon``: the trainer over Muon (``torch.optim.Muon``) for the hidden weight matrices and AdamW
+  for the rest, one ``CombinedOptimizer``, at the rates a fourth sweep picks, with its control,
+  the plain loop over the same pair.
   Plain arms run ``steps`` steps; hybrid arms get 1.5× as many steps (they may see more batches;
   the claim is wall-clock).
 * Target = the tuned baseline's validation loss at 80% of its budget (mean over seeds). Reported
@@ -49,7 +52,7 @@ from typing import Any, Callable
 import torch
 from tqdm import tqdm
 
-from hybrid_trainer import HybridConfig, HybridTrainer
+from hybrid_trainer import CombinedOptimizer, HybridConfig, HybridTrainer
 from hybrid_trainer.averaging import WeightAverage
 
 from .tasks import Task, get_task
@@ -67,10 +70,17 @@ class ArmSpec:
     # Schedule-free AdamW (``schedulefree.AdamWScheduleFree``) with this many warm-up steps instead
     # of AdamW; None: AdamW. Evaluated at its averaged weights (optimizer.eval()).
     schedule_free_warmup: int | None = None
+    # Muon (``torch.optim.Muon``) at this rate over the hidden matrices (:func:`hidden_matrices`)
+    # and AdamW at ``lr`` over the rest, as one ``CombinedOptimizer``; None: AdamW alone.
+    muon_lr: float | None = None
 
     @property
     def schedule_free(self) -> bool:
         return self.schedule_free_warmup is not None
+
+    @property
+    def muon(self) -> bool:
+        return self.muon_lr is not None
 
     @property
     def hybrid(self) -> bool:
@@ -95,7 +105,7 @@ class ArmRun:
 
     def __post_init__(self):
         self.model = self.task.make_model(self.seed)
-        self.optimizer = make_optimizer(self.spec, self.model.parameters())
+        self.optimizer = make_optimizer(self.spec, self.model)
         self.stream = self.task.batches(self.seed)
         self.trainer = (HybridTrainer(self.model, self.optimizer, self.task.loss_fn, self.spec.config)
                         if self.spec.hybrid else None)
@@ -164,8 +174,24 @@ class ArmRun:
         return {k: s[k] for k in keep}
 
 
-def make_optimizer(spec: ArmSpec, params) -> torch.optim.Optimizer:
-    """AdamW at ``spec.lr`` (with :data:`ADAMW_OPTIONS`), or schedule-free AdamW when the arm asks."""
+def hidden_matrices(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """Muon's share of a model: the weight of every ``nn.Linear`` except an output layer (the last
+    module of an ``nn.Sequential`` model). Embeddings, positions, biases, norms and an output
+    layer stay with AdamW, as Muon's authors train them; the char-LM's output is its tied
+    embedding, so all its ``nn.Linear`` weights are hidden."""
+    output = model[-1] if isinstance(model, torch.nn.Sequential) else None
+    return [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not output]
+
+
+def make_optimizer(spec: ArmSpec, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """AdamW at ``spec.lr`` (with :data:`ADAMW_OPTIONS`) over ``model``'s parameters, or what the
+    arm asks instead: schedule-free AdamW, or Muon over the hidden matrices with AdamW over the rest."""
+    params = list(model.parameters())
+    if spec.muon:
+        hidden = {id(p) for p in hidden_matrices(model)}
+        return CombinedOptimizer(
+            torch.optim.Muon([p for p in params if id(p) in hidden], lr=spec.muon_lr, weight_decay=ADAMW_WEIGHT_DECAY),
+            torch.optim.AdamW([p for p in params if id(p) not in hidden], lr=spec.lr, **ADAMW_OPTIONS))
     if not spec.schedule_free:
         return torch.optim.AdamW(params, lr=spec.lr, **ADAMW_OPTIONS)
     import schedulefree  # the bench extra; only schedule-free arms need it
@@ -305,7 +331,7 @@ def analyse(task: Task, arms: list[ArmSpec], runs: dict[str, list[ArmRun]], base
             summary["verifications_accepted"] = sum(s["hybrid"]["verifications_accepted"] for s in seeds)
             summary["verifications_rejected"] = sum(s["hybrid"]["verifications"] - s["hybrid"]["verifications_accepted"]
                                                     for s in seeds)
-        per_arm[spec.name] = dict(lr=spec.lr, hybrid=spec.hybrid,
+        per_arm[spec.name] = dict(lr=spec.lr, muon_lr=spec.muon_lr, hybrid=spec.hybrid,
                                   config=None if spec.config is None else spec.config.to_dict(),
                                   summary=summary, seeds=seeds)
     return dict(target_val_loss=target, target_definition=f"mean tuned-baseline val loss at step {target_step} "
@@ -348,6 +374,17 @@ def sweep_schedule_free(task: Task, seed: int, tuned_lr: float) -> tuple[tuple[f
     return best, finals
 
 
+def sweep_muon(task: Task, seed: int, tuned_lr: float) -> tuple[tuple[float, float], dict[str, float]]:
+    """The (Muon rate, AdamW rate for the rest) over :data:`MUON_LRS` × :data:`MUON_ADAMW_LR_FACTORS`
+    × ``tuned_lr`` with the lowest final validation loss; returns it and every candidate's."""
+    grid = [(muon_lr, tuned_lr * f) for muon_lr in MUON_LRS for f in MUON_ADAMW_LR_FACTORS]
+    arms = [ArmSpec(f"sweep muon={m:g} adamw={a:g}", a, muon_lr=m) for m, a in grid]
+    runs = run_arms(task, arms, [seed], desc=f"{task.name}: Muon sweep")
+    finals = {a.name.removeprefix("sweep "): runs[a.name][0].curve[-1]["val_loss"] for a in arms}
+    best = min(grid, key=lambda g: finals[f"muon={g[0]:g} adamw={g[1]:g}"])
+    return best, finals
+
+
 def sweep_lr(task: Task, seed: int, lrs: list[float] | None = None, average: bool = False
              ) -> tuple[float, dict[str, float]]:
     """The learning rate of ``lrs`` (default: the task's grid) with the lowest final validation
@@ -365,7 +402,7 @@ def sweep_lr(task: Task, seed: int, lrs: list[float] | None = None, average: boo
 # skipped on the device when they are not finite), which a GPU step otherwise waits for.
 ADAMW_OPTIONS: dict[str, object] = {}
 
-PRESETS = ("default", "conservative", "aggressive", "no-predict", "weight-average", "schedule-free", "forced")
+PRESETS = ("default", "conservative", "aggressive", "no-predict", "weight-average", "schedule-free", "muon", "forced")
 # Schedule-free AdamW (Defazio et al. 2024, the ``schedulefree`` package): its gradients are taken
 # between an SGD-like iterate and the running average of it, and the average is what it evaluates.
 # Betas (0.95, 0.95) from ``python -m bench.schedule_free`` (charlm seed 0: the target crossed at
@@ -376,6 +413,11 @@ SCHEDULE_FREE_BETAS = (0.95, 0.95)
 ADAMW_WEIGHT_DECAY = 0.01
 SCHEDULE_FREE_LR_FACTORS = (2.5, 5, 7.5)  # × the tuned AdamW rate
 SCHEDULE_FREE_WARMUP_FRACTIONS = (0, 1 / 3)  # × the step budget
+# Muon (Jordan et al. 2024; ``torch.optim.Muon``): momentum SGD whose update of each hidden weight
+# matrix is orthogonalised by a Newton-Schulz iteration. Its rate is on another scale than
+# AdamW's (torch's default adjustment), so it gets its own grid; AdamW trains the rest.
+MUON_LRS = (0.01, 0.02, 0.04)
+MUON_ADAMW_LR_FACTORS = (1, 2)  # × the tuned AdamW rate, for the parameters Muon does not train
 # Prediction at every phase decision, whatever it is worth, and never switched off: what the
 # worth gate saves a run from (the ``forced`` preset), and the warm-up's way to reach every kernel.
 FORCED_PREDICTION = dict(min_predicted_worth=-1.0, confidence_threshold=0.0, cost_aware=False,
@@ -397,7 +439,7 @@ def preset_config(name: str) -> HybridConfig:
         return HybridConfig(predict=False)
     if name == "weight-average":
         return HybridConfig(weight_average=True)
-    if name == "schedule-free":  # the default config; the arm's optimizer is what differs
+    if name in ("schedule-free", "muon"):  # the default config; the arm's optimizer is what differs
         return HybridConfig()
     if name in PRESETS:
         return getattr(HybridConfig, name)()
@@ -461,10 +503,16 @@ def benchmark_task(name: str, quick: bool, n_seeds: int, presets: list[str], dev
         # trainer's arm shows what it adds to it (or costs).
         free, free_sweep = sweep_schedule_free(task, seed=1000, tuned_lr=tuned_lr)
         arms.append(ArmSpec("Schedule-free AdamW", free[0], schedule_free_warmup=free[1]))
+    muon, muon_sweep = (None, None), None
+    if "muon" in presets:  # likewise: the plain Muon loop is the control of the trainer over it
+        muon, muon_sweep = sweep_muon(task, seed=1000, tuned_lr=tuned_lr)
+        arms.append(ArmSpec("Muon + AdamW", muon[1], muon_lr=muon[0]))
     for preset in presets:
-        lr = average_lr if preset == "weight-average" else free[0] if preset == "schedule-free" else tuned_lr
+        lr = (average_lr if preset == "weight-average" else free[0] if preset == "schedule-free"
+              else muon[1] if preset == "muon" else tuned_lr)
         arms.append(ArmSpec(f"HybridTrainer ({preset})", lr, preset_config(preset),
-                            schedule_free_warmup=free[1] if preset == "schedule-free" else None))
+                            schedule_free_warmup=free[1] if preset == "schedule-free" else None,
+                            muon_lr=muon[0] if preset == "muon" else None))
     seeds = list(range(n_seeds))
     if task.device.type == "cuda":
         warm_up(task, arms, steps=min(task.steps, WARM_UP_STEPS))
@@ -477,6 +525,8 @@ def benchmark_task(name: str, quick: bool, n_seeds: int, presets: list[str], dev
                   schedule_free=None if free_sweep is None else dict(
                       lr=free[0], warmup_steps=free[1], betas=list(SCHEDULE_FREE_BETAS),
                       weight_decay=ADAMW_WEIGHT_DECAY, sweep=free_sweep),
+                  muon=None if muon_sweep is None else dict(
+                      lr=muon[0], adamw_lr=muon[1], weight_decay=ADAMW_WEIGHT_DECAY, sweep=muon_sweep),
                   seeds=seeds, wall_s=time.perf_counter() - started,
                   phases_first_hybrid={a.name: runs[a.name][0].phases for a in arms if a.hybrid})
     return result
@@ -508,6 +558,9 @@ def markdown(results: list[dict], meta: dict) -> str:
                   + ("" if not r.get("schedule_free") else
                      f"; schedule-free AdamW lr {r['schedule_free']['lr']:g}, warm-up {r['schedule_free']['warmup_steps']} "
                      f"steps, betas {tuple(r['schedule_free']['betas'])} from sweep {r['schedule_free']['sweep']}")
+                  + ("" if not r.get("muon") else
+                     f"; Muon lr {r['muon']['lr']:g} with AdamW lr {r['muon']['adamw_lr']:g} for the rest from sweep "
+                     f"{r['muon']['sweep']}")
                   + f"; seeds {r['seeds']}.", "",
                   "| arm | lr | time to target (s) | speed-up | backward to target | forward to target | val loss at equal "
                   "time | gap vs tuned | final val loss | backward saved | verifications ✓/✗ |",
@@ -517,7 +570,8 @@ def markdown(results: list[dict], meta: dict) -> str:
             reached = f" ({s['reached_target']}/{len(arm['seeds'])} reached)" if s["reached_target"] < len(arm["seeds"]) else ""
             saved = cell(s["backward_saved_pct"], 1, True) if arm["hybrid"] else "–"
             ver = f"{s['verifications_accepted']}/{s['verifications_rejected']}" if arm["hybrid"] else "–"
-            lines.append(f"| {name} | {arm['lr']:g} | {cell(s['time_to_target_s'], 2)}{reached} | {cell(s['speedup_vs_baseline'], 2)}× "
+            lr = f"{arm['lr']:g}" + ("" if arm.get("muon_lr") is None else f" (Muon {arm['muon_lr']:g})")
+            lines.append(f"| {name} | {lr} | {cell(s['time_to_target_s'], 2)}{reached} | {cell(s['speedup_vs_baseline'], 2)}× "
                          f"| {cell(s['backward_to_target'], 0)} | {cell(s['forward_to_target'], 0)} "
                          f"| {cell(s['val_loss_at_equal_time'], 4)} | {cell(s['loss_gap_pct_at_equal_time'], 2, True)} "
                          f"| {cell(s['final_val_loss'], 4)} | {saved} | {ver} |")
@@ -607,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     tasks = args.tasks or (["digits", "charlm"] if args.quick else ["charlm", "fashion", "digits"])
-    presets = args.presets or ["default", "weight-average", "schedule-free", "no-predict"]
+    presets = args.presets or ["default", "weight-average", "schedule-free", "muon", "no-predict"]
     for name in presets:
         preset_config(name)  # a bad name fails here, not after the first task's runs
     args.out.mkdir(parents=True, exist_ok=True)

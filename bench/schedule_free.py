@@ -35,6 +35,8 @@ class Setting:
     lr: float
     warmup: int = 0  # linear warm-up steps (AdamW: a LambdaLR; schedule-free: its own warmup_steps)
     betas: tuple[float, float] = (0.9, 0.999)
+    weight_lr_power: float = 2.0  # schedule-free only: iterate i enters the average with weight lr_i**power * i**r
+    r: float = 0.0
 
     @property
     def name(self) -> str:
@@ -70,7 +72,8 @@ def make_optimizer(setting: Setting, model: torch.nn.Module):
     import schedulefree
 
     optimizer = schedulefree.AdamWScheduleFree(model.parameters(), lr=setting.lr, warmup_steps=setting.warmup,
-                                               betas=setting.betas, weight_decay=ADAMW_WEIGHT_DECAY)
+                                               betas=setting.betas, weight_decay=ADAMW_WEIGHT_DECAY,
+                                               weight_lr_power=setting.weight_lr_power, r=setting.r)
     optimizer.train()
     return optimizer, None
 

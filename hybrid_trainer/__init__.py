@@ -6,9 +6,10 @@
         result = trainer.step(batch)
     print(trainer.summary())
 """
+from .combined_optimizer import CombinedOptimizer
 from .config import HybridConfig
 from .phases import Phase
 from .trainer import HybridTrainer, StepResult
 
 __version__ = "0.1.0"
-__all__ = ["HybridConfig", "HybridTrainer", "Phase", "StepResult", "__version__"]
+__all__ = ["CombinedOptimizer", "HybridConfig", "HybridTrainer", "Phase", "StepResult", "__version__"]

@@ -132,7 +132,8 @@ class HybridTrainer:
         model: any ``nn.Module``; all trainable parameters on one device. A
             ``DistributedDataParallel`` model makes every rank decide alike
             (:mod:`hybrid_trainer.distributed`); then ``save`` is collective.
-        optimizer: any ``torch.optim.Optimizer`` over (a subset of) the model's parameters, and
+        optimizer: any ``torch.optim.Optimizer`` (several over disjoint parameters, e.g. Muon
+            and AdamW, as one :class:`~hybrid_trainer.CombinedOptimizer`) over (a subset of) the model's parameters, and
             any trained tensor outside the model (a loss's learned temperature). Freezing or
             unfreezing some (``requires_grad_``, ``add_param_group``) is followed at the next step.
         loss_fn: ``loss_fn(model, batch) -> 0-d tensor`` (see module docstring).
@@ -266,7 +267,8 @@ class HybridTrainer:
         after ``optimizer.eval()``: a step, real or predicted, would move that point instead of the
         one its gradients belong at. Its own ``step()`` refuses only after the forward, backward
         and guard of the step have run; this refuses before anything runs."""
-        if not self.optimizer.param_groups[0].get("train_mode", True):
+        # Every group: a CombinedOptimizer may hold the schedule-free part second.
+        if not all(group.get("train_mode", True) for group in self.optimizer.param_groups):
             raise RuntimeError(f"optimizer: {type(self.optimizer).__name__} is in eval mode (optimizer.eval() was "
                                "called, so the weights are its averaged ones); call optimizer.train() before "
                                "trainer.step()")

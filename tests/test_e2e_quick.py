@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from bench import e2e
+from bench.tasks import get_task
 
 
 @pytest.fixture(autouse=True)
@@ -121,7 +122,7 @@ def test_schedule_free_arms_get_their_own_swept_rate_and_warm_up_and_a_control(t
 
 def test_schedule_free_evaluation_moves_to_the_average_and_back():
     model = torch.nn.Linear(3, 2)
-    optimizer = e2e.make_optimizer(e2e.ArmSpec("sf", 0.1, schedule_free_warmup=0), model.parameters())
+    optimizer = e2e.make_optimizer(e2e.ArmSpec("sf", 0.1, schedule_free_warmup=0), model)
     for _ in range(3):
         optimizer.zero_grad()
         model(torch.ones(4, 3)).square().sum().backward()
@@ -132,3 +133,36 @@ def test_schedule_free_evaluation_moves_to_the_average_and_back():
         assert optimizer.param_groups[0]["train_mode"] is False
     assert optimizer.param_groups[0]["train_mode"] is True
     torch.testing.assert_close(model.weight.detach(), train_point)  # the library's round trip is float-exact only
+
+
+def test_muon_arms_get_their_own_swept_rates_and_a_control(tmp_path):
+    assert e2e.main(["--quick", "--tasks", "digits", "--seeds", "1", "--presets", "muon", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "e2e_digits_quick.json").read_text())
+    muon, tuned = result["muon"], result["tuned_lr"]
+    grid = [(m, tuned * f) for m in e2e.MUON_LRS for f in e2e.MUON_ADAMW_LR_FACTORS]
+    assert set(muon["sweep"]) == {f"muon={m:g} adamw={a:g}" for m, a in grid}
+    assert (muon["lr"], muon["adamw_lr"]) == min(grid, key=lambda g: muon["sweep"][f"muon={g[0]:g} adamw={g[1]:g}"])
+    arms = result["arms"]
+    for name in ("Muon + AdamW", "HybridTrainer (muon)"):
+        assert (arms[name]["muon_lr"], arms[name]["lr"]) == (muon["lr"], muon["adamw_lr"])
+    assert arms["AdamW (tuned lr)"]["muon_lr"] is None
+    control = arms["Muon + AdamW"]["seeds"][0]["curve"]
+    raw = arms["AdamW (tuned lr)"]["seeds"][0]["curve"]
+    assert control[0]["val_loss"] == raw[0]["val_loss"] and control[-1]["val_loss"] != raw[-1]["val_loss"]
+    assert f"Muon lr {muon['lr']:g} with AdamW lr {muon['adamw_lr']:g} for the rest" in (tmp_path / "e2e_quick.md").read_text()
+
+
+def test_muon_trains_the_hidden_matrices_and_adamw_the_rest():
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(),
+                              torch.nn.Linear(16, 3))
+    assert [tuple(p.shape) for p in e2e.hidden_matrices(mlp)] == [(16, 8), (16, 16)]  # not the output layer
+    gpt = get_task("charlm", quick=True).make_model(0)
+    hidden = e2e.hidden_matrices(gpt)
+    assert len(hidden) == 4 and all(p.ndim == 2 for p in hidden)  # qkv, out_proj and two MLP matrices
+    assert all(p is not gpt.tok.weight and p is not gpt.pos for p in hidden)
+    optimizer = e2e.make_optimizer(e2e.ArmSpec("m", 3e-3, muon_lr=0.02), gpt)
+    muon, adamw = optimizer.parts
+    assert isinstance(muon, torch.optim.Muon) and muon.param_groups[0]["lr"] == 0.02
+    assert {id(p) for p in muon.param_groups[0]["params"]} == {id(p) for p in hidden}
+    assert isinstance(adamw, torch.optim.AdamW) and adamw.param_groups[0]["lr"] == 3e-3
+    assert len(adamw.param_groups[0]["params"]) + len(hidden) == len(list(gpt.parameters()))
