@@ -40,8 +40,9 @@ class Setting:
 
     @property
     def name(self) -> str:
+        knobs = "" if (self.weight_lr_power, self.r) == (2.0, 0.0) else f", weight_lr_power {self.weight_lr_power:g}, r {self.r:g}"
         return (f"{'AdamW' if self.optimizer == 'adamw' else 'schedule-free'} lr {self.lr:g}, warm-up "
-                f"{self.warmup}, betas {self.betas}")
+                f"{self.warmup}, betas {self.betas}{knobs}")
 
 
 TUNED = Setting("adamw", 2e-3)  # bench.e2e's swept AdamW rate on charlm
@@ -58,6 +59,9 @@ SETTINGS = [
     # Past the end-to-end sweep's grid: shorter and longer warm-ups at larger rates.
     Setting("schedule-free", 1.5e-2, 120, (0.95, 0.95)), Setting("schedule-free", 2e-2, 150, (0.95, 0.95)),
     Setting("schedule-free", 2.5e-2, 250, (0.95, 0.95)),
+    # The average's weights (iterate i weighs lr_i**weight_lr_power * i**r): the package's other knobs.
+    *[Setting("schedule-free", 1.5e-2, 200, (0.95, 0.95), power, 0.0) for power in (0.0, 1.0, 3.0)],
+    *[Setting("schedule-free", 1.5e-2, 200, (0.95, 0.95), 2.0, r) for r in (0.5, 1.0, 2.0)],
 ]
 
 
@@ -109,11 +113,13 @@ def markdown(result: dict) -> str:
              f"{result['target_val_loss']:.4f} = the tuned AdamW run's validation loss at step {result['target_step']}; "
              "crossing = the step at which a run first reaches it (linear between evaluations every "
              f"{result['eval_every']} steps).", "",
-             "| optimizer | lr | warm-up | betas | crossing step | final val loss |", "|---|---|---|---|---|---|"]
+             "| optimizer | lr | warm-up | betas | weight_lr_power, r | crossing step | final val loss |",
+             "|---|---|---|---|---|---|---|"]
     for r in result["runs"]:
         s = r["setting"]
         cross = "not reached" if r["crossing_step"] is None else f"{r['crossing_step']:.0f}"
-        lines.append(f"| {s['optimizer']} | {s['lr']:g} | {s['warmup']} | {tuple(s['betas'])} | {cross} "
+        knobs = "–" if s["optimizer"] == "adamw" else f"{s['weight_lr_power']:g}, {s['r']:g}"
+        lines.append(f"| {s['optimizer']} | {s['lr']:g} | {s['warmup']} | {tuple(s['betas'])} | {knobs} | {cross} "
                      f"| {r['final_val_loss']:.4f} |")
     return "\n".join(lines) + "\n"
 
