@@ -20,7 +20,7 @@ Protocol (shared/design.md §5):
   same optimizer; both are evaluated at the optimizer's averaged weights (``optimizer.eval()``).
   ``muon``: the trainer over Muon (``torch.optim.Muon``) for the hidden weight matrices and AdamW
   for the rest, one ``CombinedOptimizer``, at the rates a fourth sweep picks, with its control,
-  the plain loop over the same pair.
+  the plain loop over the same pair; ``muon-forced`` (on request) the same with prediction forced.
   Plain arms run ``steps`` steps; hybrid arms get 1.5× as many steps (they may see more batches;
   the claim is wall-clock).
 * Target = the tuned baseline's validation loss at 80% of its budget (mean over seeds). Reported
@@ -402,7 +402,9 @@ def sweep_lr(task: Task, seed: int, lrs: list[float] | None = None, average: boo
 # skipped on the device when they are not finite), which a GPU step otherwise waits for.
 ADAMW_OPTIONS: dict[str, object] = {}
 
-PRESETS = ("default", "conservative", "aggressive", "no-predict", "weight-average", "schedule-free", "muon", "forced")
+PRESETS = ("default", "conservative", "aggressive", "no-predict", "weight-average", "schedule-free", "muon", "forced",
+           "muon-forced")
+MUON_PRESETS = ("muon", "muon-forced")  # the presets whose optimizer is Muon + AdamW
 # Schedule-free AdamW (Defazio et al. 2024, the ``schedulefree`` package): its gradients are taken
 # between an SGD-like iterate and the running average of it, and the average is what it evaluates.
 # Betas (0.95, 0.95) from ``python -m bench.schedule_free`` (charlm seed 0: the target crossed at
@@ -430,10 +432,12 @@ AVERAGE_LR_FACTORS = (1, 2, 4)
 def preset_config(name: str) -> HybridConfig:
     """``no-predict`` is the trainer with prediction off: what its safety layer alone costs;
     ``weight-average`` the default config evaluated at its lag-corrected weight average;
-    ``forced`` the default config predicting at every phase decision (:data:`FORCED_PREDICTION`)."""
+    ``forced`` the default config predicting at every phase decision (:data:`FORCED_PREDICTION`);
+    ``schedule-free`` and ``muon`` the default config over another optimizer, ``muon-forced``
+    the forced one over Muon + AdamW."""
     if name == "default":
         return HybridConfig()
-    if name == "forced":
+    if name in ("forced", "muon-forced"):
         return HybridConfig(**FORCED_PREDICTION)
     if name == "no-predict":
         return HybridConfig(predict=False)
@@ -504,15 +508,15 @@ def benchmark_task(name: str, quick: bool, n_seeds: int, presets: list[str], dev
         free, free_sweep = sweep_schedule_free(task, seed=1000, tuned_lr=tuned_lr)
         arms.append(ArmSpec("Schedule-free AdamW", free[0], schedule_free_warmup=free[1]))
     muon, muon_sweep = (None, None), None
-    if "muon" in presets:  # likewise: the plain Muon loop is the control of the trainer over it
+    if any(p in MUON_PRESETS for p in presets):  # likewise: the plain Muon loop is the control of the trainer over it
         muon, muon_sweep = sweep_muon(task, seed=1000, tuned_lr=tuned_lr)
         arms.append(ArmSpec("Muon + AdamW", muon[1], muon_lr=muon[0]))
     for preset in presets:
         lr = (average_lr if preset == "weight-average" else free[0] if preset == "schedule-free"
-              else muon[1] if preset == "muon" else tuned_lr)
+              else muon[1] if preset in MUON_PRESETS else tuned_lr)
         arms.append(ArmSpec(f"HybridTrainer ({preset})", lr, preset_config(preset),
                             schedule_free_warmup=free[1] if preset == "schedule-free" else None,
-                            muon_lr=muon[0] if preset == "muon" else None))
+                            muon_lr=muon[0] if preset in MUON_PRESETS else None))
     seeds = list(range(n_seeds))
     if task.device.type == "cuda":
         warm_up(task, arms, steps=min(task.steps, WARM_UP_STEPS))

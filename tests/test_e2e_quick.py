@@ -166,3 +166,15 @@ def test_muon_trains_the_hidden_matrices_and_adamw_the_rest():
     assert {id(p) for p in muon.param_groups[0]["params"]} == {id(p) for p in hidden}
     assert isinstance(adamw, torch.optim.AdamW) and adamw.param_groups[0]["lr"] == 3e-3
     assert len(adamw.param_groups[0]["params"]) + len(hidden) == len(list(gpt.parameters()))
+
+
+def test_muon_forced_predicts_over_muon_whatever_it_is_worth():
+    config = e2e.preset_config("muon-forced")
+    assert config.min_predicted_worth == e2e.FORCED_PREDICTION["min_predicted_worth"] and not config.cost_aware
+    task = get_task("digits", quick=True)
+    arm = e2e.ArmSpec("forced over Muon", 0.01, config, muon_lr=0.02)
+    run = e2e.ArmRun(arm, task, seed=0, budget=task.steps)
+    assert isinstance(run.optimizer.parts[0], torch.optim.Muon)
+    while not run.done:
+        run.run_chunk(task.eval_every, record_phases=False)
+    assert run.trainer.statistics()["predicted_steps"] > 0
