@@ -33,6 +33,7 @@ GOAL = 2.0  # issue #5: the target reached at least 2x sooner in wall-clock
 SOURCES = (
     ("e2e_{task}.json", "e2e", "[e2e] "),
     ("forced/e2e_{task}.json", "e2e", "[e2e] "),
+    ("muon_forced/e2e_{task}.json", "e2e", "[e2e] "),
     ("lr_control_{task}.json", "e2e", "[lr control] "),
     ("lr_control_{task}_cosine.json", "e2e", "[lr control] "),
     ("lr_control_{task}_clip.json", "e2e", "[lr control] "),
