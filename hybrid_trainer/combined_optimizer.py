@@ -10,9 +10,10 @@ presents the parts as one::
     optimizer = CombinedOptimizer(torch.optim.Muon(hidden, lr=0.02),
                                   torch.optim.AdamW(rest, lr=2e-3))
 
-``param_groups`` is the parts' own group dicts, in order (so a scheduler's or the user's ``lr``
-edit reaches the part), and ``state`` reads and writes each parameter's state in the part that
-owns it. Groups added to a part after construction are not seen; build the combination last.
+``param_groups`` is the parts' own group dicts, in order, read afresh at each access (so a
+scheduler's or the user's ``lr`` edit reaches the part, and a group added to a part with its
+``add_param_group`` is followed), and ``state`` reads and writes each parameter's state in the
+part that owns it.
 """
 from __future__ import annotations
 
@@ -25,14 +26,22 @@ import torch
 class _StateByOwner(MutableMapping):
     """``optimizer.state`` of the combination: each parameter's entry lives in its owner's state."""
 
-    def __init__(self, owner: dict[torch.Tensor, torch.optim.Optimizer], parts: list[torch.optim.Optimizer]):
-        self._owner, self._parts = owner, parts
+    def __init__(self, parts: list[torch.optim.Optimizer]):
+        self._parts = parts
+        self._owner = owners(parts)
+
+    def _owner_of(self, param: object) -> torch.optim.Optimizer | None:
+        part = self._owner.get(param)  # type: ignore[call-overload]
+        if part is None:  # a group added to a part since the map was built
+            self._owner = owners(self._parts)
+            part = self._owner.get(param)  # type: ignore[call-overload]
+        return part
 
     def _part(self, param: torch.Tensor) -> torch.optim.Optimizer:
-        try:
-            return self._owner[param]
-        except KeyError:
-            raise KeyError("the tensor is not a parameter of any of the combined optimizers") from None
+        part = self._owner_of(param)
+        if part is None:
+            raise KeyError("the tensor is not a parameter of any of the combined optimizers")
+        return part
 
     def __getitem__(self, param: torch.Tensor) -> Any:
         return self._part(param).state[param]  # a part's defaultdict creates the entry, as torch's would
@@ -44,7 +53,7 @@ class _StateByOwner(MutableMapping):
         del self._part(param).state[param]
 
     def __contains__(self, param: object) -> bool:
-        part = self._owner.get(param)  # type: ignore[call-overload]
+        part = self._owner_of(param)
         return part is not None and param in part.state
 
     def get(self, param: Any, default: Any = None) -> Any:
@@ -57,6 +66,11 @@ class _StateByOwner(MutableMapping):
 
     def __len__(self) -> int:
         return sum(len(part.state) for part in self._parts)
+
+
+def owners(parts: list[torch.optim.Optimizer]) -> dict[torch.Tensor, torch.optim.Optimizer]:
+    """Each parameter of ``parts`` mapped to the part that trains it."""
+    return {param: part for part in parts for group in part.param_groups for param in group["params"]}
 
 
 class CombinedOptimizer(torch.optim.Optimizer):
@@ -82,11 +96,29 @@ class CombinedOptimizer(torch.optim.Optimizer):
                                          "train disjoint parameters")
                     owner[param] = part
         # The base constructor sets up hooks and the profiler's step wrapper; its copies of the
-        # groups and its own state are then replaced by the parts' (below), which hold the truth.
+        # groups (set aside by the param_groups setter) and its own state are not used: the parts'
+        # hold the truth.
         super().__init__(list(owner), {})
         self.parts = list(optimizers)
-        self.param_groups = [group for part in self.parts for group in part.param_groups]
-        self.state = _StateByOwner(owner, self.parts)  # type: ignore[assignment]
+        self.state = _StateByOwner(self.parts)  # type: ignore[assignment]
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        if "parts" not in self.__dict__:  # inside the base constructor
+            return self.__dict__["_construction_groups"]
+        return [group for part in self.parts for group in part.param_groups]
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        if "parts" in self.__dict__:
+            raise AttributeError("param_groups of a CombinedOptimizer are its parts'; set them on a part")
+        self.__dict__["_construction_groups"] = groups  # the base constructor's copies, unused
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if "parts" not in self.__dict__:  # the base constructor's own groups
+            return super().add_param_group(param_group)
+        raise TypeError("add_param_group: a CombinedOptimizer does not know which part should train the "
+                        "new parameters; call add_param_group on that part (the combination follows it)")
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -109,8 +141,6 @@ class CombinedOptimizer(torch.optim.Optimizer):
                              f"parts, got {found}")
         for part, state in zip(self.parts, parts):
             part.load_state_dict(state)
-        # A part's load_state_dict replaces its group dicts; follow them.
-        self.param_groups = [group for part in self.parts for group in part.param_groups]
 
     def __repr__(self) -> str:
         inner = ",\n".join("    " + repr(part).replace("\n", "\n    ") for part in self.parts)

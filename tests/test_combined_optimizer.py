@@ -198,3 +198,21 @@ def test_trainer_refuses_a_step_when_any_part_is_in_eval_mode(stream):
         trainer.step(stream[1])
     free.train()
     assert trainer.step(stream[1]).backward_done
+
+
+def test_a_group_added_to_a_part_is_followed_and_the_combination_refuses_one(stream):
+    model = mlp(0)
+    muon = torch.optim.Muon([model[0].weight], lr=0.02)
+    adamw = torch.optim.AdamW([model[2].weight, model[2].bias], lr=3e-3)
+    trainer = HybridTrainer(model, CombinedOptimizer(muon, adamw), cross_entropy, HybridConfig(**FAST))
+    trainer.step(stream[0])
+    bias = model[0].bias.detach().clone()
+    with pytest.raises(TypeError, match="add_param_group: a CombinedOptimizer does not know which part"):
+        trainer.optimizer.add_param_group({"params": [model[0].bias]})
+    with pytest.raises(AttributeError, match="param_groups of a CombinedOptimizer are its parts'"):
+        trainer.optimizer.param_groups = []
+    adamw.add_param_group({"params": [model[0].bias], "lr": 1e-2})
+    assert trainer.optimizer.param_groups[-1] is adamw.param_groups[-1]
+    trainer.step(stream[1])
+    assert not torch.equal(model[0].bias, bias)  # the new group trains, under the trainer too
+    assert trainer.optimizer.state[model[0].bias] is adamw.state[model[0].bias]
