@@ -12,6 +12,7 @@ from hybrid_trainer import CombinedOptimizer, HybridConfig, HybridTrainer, Phase
 
 from _configs import ALWAYS, FAST
 from _digits import batches, cross_entropy, digits_tensors, mlp
+from _resume import assert_resume_reproduces
 
 pytestmark = pytest.mark.usefixtures("eager_backend")  # the CPU path, not the Triton interpreter
 
@@ -34,6 +35,8 @@ def combined(model):
 
 
 def plain_steps(model, parts, stream):
+    """The plain loop over ``stream`` stepping each of ``parts`` (the Muon and AdamW parts, or a
+    list holding one CombinedOptimizer)."""
     for batch in stream:
         for part in parts:
             part.zero_grad(set_to_none=True)
@@ -45,10 +48,7 @@ def plain_steps(model, parts, stream):
 def test_steps_exactly_as_its_parts_do(stream):
     model, reference = mlp(0), mlp(0)
     optimizer = combined(model)
-    for batch in stream[:10]:
-        optimizer.zero_grad()
-        cross_entropy(model, batch).backward()
-        optimizer.step()
+    plain_steps(model, [optimizer], stream[:10])
     plain_steps(reference, muon_parts(reference), stream[:10])
     for p, q in zip(model.parameters(), reference.parameters()):
         assert torch.equal(p, q)
@@ -96,11 +96,7 @@ def test_state_lives_in_the_part_that_owns_the_parameter(stream):
 
 def test_state_dict_resumes_exactly(stream):
     model, reference = mlp(0), mlp(0)
-    reference_optimizer = combined(reference)
-    for batch in stream[:12]:
-        reference_optimizer.zero_grad()
-        cross_entropy(reference, batch).backward()
-        reference_optimizer.step()
+    plain_steps(reference, [combined(reference)], stream[:12])
     first = combined(model)
     plain_steps(model, first.parts, stream[:5])
     saved_weights, saved_state = {k: v.clone() for k, v in model.state_dict().items()}, first.state_dict()
@@ -108,10 +104,7 @@ def test_state_dict_resumes_exactly(stream):
     resumed_model.load_state_dict(saved_weights)
     resumed = combined(resumed_model)
     resumed.load_state_dict(saved_state)
-    for batch in stream[5:12]:
-        resumed.zero_grad()
-        cross_entropy(resumed_model, batch).backward()
-        resumed.step()
+    plain_steps(resumed_model, [resumed], stream[5:12])
     for p, q in zip(resumed_model.parameters(), reference.parameters()):
         assert torch.equal(p, q)
     assert resumed.param_groups[0] is resumed.parts[0].param_groups[0]  # followed the reloaded groups
@@ -169,20 +162,7 @@ def test_trainer_rolls_a_rejected_prediction_back_and_leaves_both_parts_alone(st
 
 
 def test_trainer_resume_reproduces_the_uninterrupted_run(stream, tmp_path):
-    steps, cut = 50, 27
-    reference = make_trainer(**ALWAYS)
-    ref_results = [reference.step(b) for b in stream[:steps]]
-    assert any(r.phase == "PREDICT" for r in ref_results[cut:]), "the resumed part must include predicted steps"
-    first = make_trainer(**ALWAYS)
-    for b in stream[:cut]:
-        first.step(b)
-    first.save(tmp_path / "ckpt.pt")
-    resumed = make_trainer(seed=7, **ALWAYS)
-    resumed.load(tmp_path / "ckpt.pt")
-    results = [resumed.step(b) for b in stream[cut:steps]]
-    for p, q in zip(reference.params, resumed.params):
-        assert torch.equal(p, q)
-    assert [(r.phase, r.loss) for r in ref_results[cut:]] == [(r.phase, r.loss) for r in results]
+    assert_resume_reproduces(make_trainer, stream, 50, 27, tmp_path / "ckpt.pt", **ALWAYS)
 
 
 def test_trainer_refuses_a_step_when_any_part_is_in_eval_mode(stream):

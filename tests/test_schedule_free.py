@@ -12,6 +12,7 @@ from hybrid_trainer import HybridConfig, HybridTrainer, Phase
 
 from _configs import ALWAYS, FAST
 from _digits import batches, cross_entropy, digits_tensors, mlp
+from _resume import assert_resume_reproduces
 
 schedulefree = pytest.importorskip("schedulefree")  # the bench extra, which `make test` installs
 
@@ -78,20 +79,8 @@ def test_a_rejected_verification_restores_the_weights_and_the_optimizer_is_untou
 
 
 def test_resume_reproduces_the_uninterrupted_run(stream, tmp_path):
-    steps, cut = 60, 31
-    reference = make_trainer(**ALWAYS)
-    ref_results = [reference.step(b) for b in stream[:steps]]
-    assert any(r.phase == "PREDICT" for r in ref_results[cut:]), "the resumed part must include predicted steps"
-    first = make_trainer(**ALWAYS)
-    for b in stream[:cut]:
-        first.step(b)
-    first.save(tmp_path / "ckpt.pt")
-    resumed = make_trainer(seed=7, **ALWAYS)  # another init: the weights, z and counters come from the file
-    resumed.load(tmp_path / "ckpt.pt")
-    results = [resumed.step(b) for b in stream[cut:steps]]
-    for p, q in zip(reference.params, resumed.params):
-        assert torch.equal(p, q)
-    assert [(r.phase, r.loss) for r in ref_results[cut:]] == [(r.phase, r.loss) for r in results]
+    # The weights, z and the group counters all come from the file.
+    reference, resumed = assert_resume_reproduces(make_trainer, stream, 60, 31, tmp_path / "ckpt.pt", **ALWAYS)
     assert resumed.optimizer.param_groups[0]["weight_sum"] == reference.optimizer.param_groups[0]["weight_sum"]
 
 
