@@ -35,7 +35,7 @@ class Setting:
     lr: float
     warmup: int = 0  # linear warm-up steps (AdamW: a LambdaLR; schedule-free: its own warmup_steps)
     betas: tuple[float, float] = (0.9, 0.999)
-    weight_lr_power: float = 2.0  # schedule-free only: iterate i enters the average with weight lr_i**power * i**r
+    weight_lr_power: float = 2.0  # schedule-free only: step k enters the average with weight max_lr_so_far**power * (k+1)**r
     r: float = 0.0
 
     @property
@@ -59,7 +59,7 @@ SETTINGS = [
     # Past the end-to-end sweep's grid: shorter and longer warm-ups at larger rates.
     Setting("schedule-free", 1.5e-2, 120, (0.95, 0.95)), Setting("schedule-free", 2e-2, 150, (0.95, 0.95)),
     Setting("schedule-free", 2.5e-2, 250, (0.95, 0.95)),
-    # The average's weights (iterate i weighs lr_i**weight_lr_power * i**r): the package's other knobs.
+    # The average's weights (step k weighs max_lr_so_far**weight_lr_power * (k+1)**r): the package's other knobs.
     *[Setting("schedule-free", 1.5e-2, 200, (0.95, 0.95), power, 0.0) for power in (0.0, 1.0, 3.0)],
     *[Setting("schedule-free", 1.5e-2, 200, (0.95, 0.95), 2.0, r) for r in (0.5, 1.0, 2.0)],
 ]
