@@ -8,11 +8,12 @@ it exactly, and refuse to step it in eval mode.
 import pytest
 import torch
 
-from hybrid_trainer import HybridConfig, HybridTrainer, Phase
+from hybrid_trainer import HybridConfig, HybridTrainer
 
 from _configs import ALWAYS, FAST
 from _digits import batches, cross_entropy, digits_tensors, mlp
 from _resume import assert_resume_reproduces
+from _rollback import reject_a_prediction_and_check_the_optimizer_untouched
 
 schedulefree = pytest.importorskip("schedulefree")  # the bench extra, which `make test` installs
 
@@ -58,24 +59,10 @@ def test_real_steps_are_the_plain_schedule_free_loop(stream):
 
 def test_a_rejected_verification_restores_the_weights_and_the_optimizer_is_untouched(stream):
     trainer = make_trainer(**ALWAYS, loss_tolerance=0.0, noise_z=0.0)
-    i = 0
-    while trainer.controller.phase is not Phase.PREDICT:
-        trainer.step(stream[i])
-        i += 1
-    weights = [p.detach().clone() for p in trainer.params]
-    state = {id(p): {k: v.clone() for k, v in trainer.optimizer.state[p].items()} for p in trainer.params}
-    group = {k: v for k, v in trainer.optimizer.param_groups[0].items() if k != "params"}
-    trainer.predictor.scales.fill_(50.0)  # a huge predicted step: the loss must go up
-    results = [trainer.step(stream[i + k]) for k in range(4)]
+    # Predicted steps never step the optimizer: z, the second moment and the group counters stay.
+    results = reject_a_prediction_and_check_the_optimizer_untouched(
+        trainer, stream, extra=lambda: {k: v for k, v in trainer.optimizer.param_groups[0].items() if k != "params"})
     assert [r.phase for r in results] == ["PREDICT"] * 4
-    assert results[-1].verified and results[-1].accepted is False and results[-1].rolled_back
-    for p, saved in zip(trainer.params, weights):
-        assert torch.equal(p.detach(), saved)
-    # Predicted steps never step the optimizer: its z, second moment and counters are as they were.
-    for p in trainer.params:
-        for key, value in state[id(p)].items():
-            assert torch.equal(trainer.optimizer.state[p][key], value), key
-    assert {k: v for k, v in trainer.optimizer.param_groups[0].items() if k != "params"} == group
 
 
 def test_resume_reproduces_the_uninterrupted_run(stream, tmp_path):
