@@ -219,3 +219,43 @@ def test_shipped_nowcaster_loads_and_gives_finite_displacements():
         delta = caster.predict(window, layout, 8)
         assert delta.shape == (layout.total,) and torch.isfinite(delta).all()
         assert 0 < delta.abs().max() < 1.0
+
+
+def _permute_named(model: nn.Module, perm: torch.Tensor, rows: list[str], cols: list[str]) -> None:
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name in rows:
+            params[name].copy_(params[name][perm])
+        for name in cols:
+            params[name].copy_(params[name][:, perm])
+
+
+@pytest.mark.parametrize("case", ["gpt-mlp", "cnn-channels"])
+def test_neuron_model_is_equivariant_in_gpt_and_cnn(case):
+    """Permuting a GPT block's MLP neurons, or a CNN's channels, permutes the prediction."""
+    torch.manual_seed(4)
+    caster = nc.build_nowcaster("neuron")
+    with torch.no_grad():
+        for p in caster.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    if case == "gpt-mlp":
+        make, n = _gpt, 128
+        rows, cols = ["blocks.0.mlp.0.weight", "blocks.0.mlp.0.bias"], ["blocks.0.mlp.2.weight"]
+    else:
+        make, n = _cnn, 4
+        rows, cols = ["features.0.weight", "features.0.bias"], ["features.2.weight"]
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(5))
+
+    def permuted(vec: torch.Tensor) -> torch.Tensor:
+        m = make()
+        torch.nn.utils.vector_to_parameters(vec.detach().clone(), m.parameters())
+        _permute_named(m, perm, rows, cols)
+        return torch.nn.utils.parameters_to_vector(m.parameters()).detach()
+
+    model = make()
+    layout = nc.describe_model(model)
+    window = _window(model)
+    out = caster.predict_flat(window, layout)
+    out_perm = caster.predict_flat(torch.stack([permuted(r) for r in window]), layout)
+    for h in range(out.shape[0]):
+        torch.testing.assert_close(out_perm[h], permuted(out[h]), rtol=1e-4, atol=1e-7)
