@@ -14,7 +14,9 @@ Arms (every arm sees the same initialisation and batch stream for a seed):
   the last 5 snapshots (``spacing`` steps apart), predicts the displacement ``k`` spacings ahead
   and adds it to the weights. ``k`` follows NiNo's shrinking schedule (40, 33, 26, 21, 16, 11, 8,
   5, 3, 1 over the calls). Adam's moments are kept (``keep``) or zeroed with its step count
-  (``reset``). The learning-rate schedule is not advanced by a jump. Snapshots restart after a
+  (``reset``). ``cosine+nc:judged`` runs the package's :class:`~hybrid_trainer.nowcast_jump.NowcastJump`:
+  each jump judged after ``call_every / 3`` steps against the pre-jump loss trend and rolled back
+  exactly when it does not beat it. The learning-rate schedule is not advanced by a jump. Snapshots restart after a
   jump, so every call sees a trajectory of real steps from the jumped weights.
 
 Measured: validation loss and accuracy every ``eval_every`` steps (and right before and after
@@ -39,6 +41,7 @@ import torch
 from bench import nowcaster_family as fam
 from bench.nowcaster_meta import ROOT, git_commit
 from hybrid_trainer import nowcaster as nc
+from hybrid_trainer.nowcast_jump import NowcastJump
 
 SCHEDULE = (40, 33, 26, 21, 16, 11, 8, 5, 3, 1)  # NiNo's horizons over its 10 calls
 
@@ -97,6 +100,11 @@ def run_arm(spec: dict[str, Any], lr: float, cosine: bool, caster: nc.Nowcaster 
     model = fam.make_model(spec)
     opt, schedule = fam.make_optimizer(spec, model)
     loss_fn, stream, evaluate = fam.loss_fn(spec), fam.batches(spec), fam.validation(spec)
+    judged = None
+    if caster is not None and moments == "judged":
+        judged = NowcastJump(model, opt, caster=caster, spacing=spacing, call_every=call_every,
+                             recovery_steps=call_every // 3, trend_steps=call_every // 3, schedule=SCHEDULE)
+        caster = None
     jumper = Jumper(caster, model, spacing) if caster is not None else None
     curve, jumps = [], []
     train_s = 0.0
@@ -130,11 +138,22 @@ def run_arm(spec: dict[str, Any], lr: float, cosine: bool, caster: nc.Nowcaster 
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        if judged is not None:
+            event = judged.after_step(step, loss.item())
+            if event is not None:
+                post = evaluate(model)
+                jumps.append(dict(step=step + 1, event=event, post_loss=post[0], post_acc=post[1]))
         train_s += time.perf_counter() - t0
+    if judged is not None:
+        jumper = judged
+        records = [dict(r.__dict__) for r in judged.records]
+        for j, r in zip([j for j in jumps if j["event"] == "jump"], records):
+            j.update(horizon=r["horizon"], rel_norm=r["rel_norm"], kept=r["kept"])
     final = curve[-1]
     return dict(lr=lr, curve=curve, jumps=jumps, final_loss=final["loss"], final_acc=final["acc"],
                 best_loss=min(c["loss"] for c in curve), train_s=train_s,
-                nowcaster_s=jumper.seconds if jumper is not None else 0.0)
+                nowcaster_s=(jumper.nowcaster_seconds if isinstance(jumper, NowcastJump) else jumper.seconds)
+                if jumper is not None else 0.0)
 
 
 def first_reach(curve: list[dict[str, Any]], target: float) -> tuple[int | None, float | None]:
@@ -154,7 +173,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--call-every", type=int, default=300)
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--arms", nargs="*",
-                        default=["adam", "adam+nc", "cosine", "cosine+nc", "cosine+nc:weight", "cosine+nc:reset"])
+                        default=["adam", "adam+nc", "cosine", "cosine+nc", "cosine+nc:weight", "cosine+nc:reset",
+                                 "cosine+nc:judged"])
     parser.add_argument("--nowcaster", default=None, help="neuron-aware weights (default: the shipped ones)")
     parser.add_argument("--weight-nowcaster", default=str(ROOT / "results-tmp" / "nowcaster_weight.pt"))
     parser.add_argument("--quick", action="store_true")
@@ -198,13 +218,14 @@ def main(argv: list[str] | None = None) -> None:
                 cosine = arm.startswith("cosine")
                 variant = "weight" if arm.endswith(":weight") else "neuron"
                 caster = casters[variant] if "+nc" in arm else None
-                moments = "reset" if arm.endswith(":reset") else "keep"
+                moments = arm.split(":")[1] if arm.endswith((":reset", ":judged")) else "keep"
                 lr = best_lr if cosine else task["nominal_lr"]
                 r = run_arm(dict(base, seed=seed), lr, cosine, caster, moments, **kw)
                 arms[arm] = r
                 print(f"{name} seed {seed} {arm}: final loss {r['final_loss']:.4f} acc {r['final_acc']:.4f}, "
                       f"{r['train_s']:.0f}s (nowcaster {r['nowcaster_s']:.2f}s); jumps "
-                      + " ".join(f"{j['pre_loss']:.2f}->{j['post_loss']:.2f}" for j in r["jumps"]), flush=True)
+                      + " ".join(f"{j.get('pre_loss', j.get('event'))}->{j['post_loss']:.2f}" for j in r["jumps"]),
+                      flush=True)
                 json_path.parent.mkdir(parents=True, exist_ok=True)
                 json_path.write_text(json.dumps(results, indent=1))
     summarise(results, out, quick=args.quick)
@@ -253,18 +274,21 @@ def summarise(results: dict[str, Any], out: Path, quick: bool = False) -> None:
                 wall_cells.append(f"{_gmean(walls):.2f}×" if len(walls) == len(runs) and walls else "–")
             n = len(runs)
             mean = lambda key: sum(r[key] for _, r, _ in runs) / n  # noqa: E731
-            calls = sum(len(r["jumps"]) for _, r, _ in runs)
+            calls = sum(len([j for j in r["jumps"] if j.get("event", "jump") == "jump"]) for _, r, _ in runs)
             lines.append(f"| {arm} | {n} | {mean('final_loss'):.4f} | {mean('final_acc'):.4f} | "
                          f"{' ; '.join(steps_cells)} | {' / '.join(sp_cells)} | {' / '.join(wall_cells)} | "
                          f"{mean('train_s'):.0f} | {mean('nowcaster_s'):.2f} ({calls}) |")
         jump_rows = []
         for seed, arms in entry["seeds"].items():
             for arm, r in arms.items():
-                if r["jumps"]:
+                if r["jumps"] and "pre_loss" in r["jumps"][0]:
                     jump_rows.append(f"| {arm} | {seed} | " + " ".join(
                         f"{j['pre_loss']:.2f}→{j['post_loss']:.2f}" for j in r["jumps"]) + " |")
+                elif r["jumps"]:  # judged: the loss after the jump, and after the verdict
+                    jump_rows.append(f"| {arm} | {seed} | " + " ".join(
+                        f"step {j['step']}: {j['event']} {j['post_loss']:.2f}" for j in r["jumps"]) + " |")
         if jump_rows:
-            lines += ["", "Validation loss right before → right after each jump:", "", "| arm | seed | jumps |",
+            lines += ["", "Validation loss right before → right after each jump (judged arm: the loss right after the jump and right after the verdict, kept or rolled back):", "", "| arm | seed | jumps |",
                       "|---|---|---|"] + jump_rows
         lines.append("")
     if not quick:

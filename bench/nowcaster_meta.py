@@ -137,24 +137,34 @@ def sample_loss(model: nc.Nowcaster, run: RunData, t: int) -> tuple[torch.Tensor
     return nc.relative_error(pred, target, run.layout), mask
 
 
-def evaluate(model: nc.Nowcaster, runs: list[RunData]) -> list[float]:
-    """Mean relative squared error per horizon over every sample point of ``runs``."""
-    sums = torch.zeros(len(model.horizons))
+def evaluate(model: nc.Nowcaster, runs: list[RunData]) -> dict[str, list[float]]:
+    """Mean relative squared error per horizon over every sample point of ``runs``: the model's,
+    and the drift rule's (the window's mean displacement continued ``k`` intervals) for reference."""
+    sums = {"model": torch.zeros(len(model.horizons)), "drift": torch.zeros(len(model.horizons))}
     counts = torch.zeros(len(model.horizons))
     with torch.no_grad():
         for run in runs:
             for t in run.sample_points(model.context, model.horizons):
                 err, mask = sample_loss(model, run, t)
-                sums += err * mask
+                window = run.window(t, model.context)
+                mean_step = (window[-1] - window[0]) / model.context
+                future = torch.stack([run.snapshots[min(t + k, run.n_snap - 1)] for k in model.horizons])
+                drift = torch.stack([mean_step * k for k in model.horizons])
+                sums["model"] += err * mask
+                sums["drift"] += nc.relative_error(drift, future - window[-1], run.layout) * mask
                 counts += mask
-    return (sums / counts.clamp_min(1)).tolist()
+    return {k: (v / counts.clamp_min(1)).tolist() for k, v in sums.items()}
 
 
 def cmd_train(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     runs = load_runs(Path(args.runs))
-    val_names = set(args.val_runs) if args.val_runs else {runs[i].name for i in (1, len(runs) // 2)}
+    if args.val_runs:
+        val_names = set(args.val_runs)
+    else:  # the last recorded run of each architecture
+        val_names = {[r.name for r in runs if r.spec["arch"] == arch][-1] for arch in ("mlp", "cnn", "gpt")
+                     if any(r.spec["arch"] == arch for r in runs)}
     train_runs = [r for r in runs if r.name not in val_names]
     val_runs = [r for r in runs if r.name in val_names]
     model = nc.build_nowcaster(args.variant)
@@ -165,6 +175,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=1e-4)
     deadline = time.perf_counter() + 60 * args.minutes
     step, history = 0, []
+    started = time.perf_counter()
     while time.perf_counter() < deadline and (args.steps <= 0 or step < args.steps):
         frac = min(1.0, (time.perf_counter() - deadline + 60 * args.minutes) / (60 * args.minutes))
         for group in opt.param_groups:
@@ -176,10 +187,11 @@ def cmd_train(args: argparse.Namespace) -> None:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        history.append(float(loss))
+        history.append(loss.item())
         step += 1
         if step % 200 == 0:
-            print(f"step {step}: train rel. error (last 200) {sum(history[-200:]) / 200:.4f}", flush=True)
+            print(f"step {step}: train rel. error (last 200) {sum(history[-200:]) / 200:.4f}, "
+                  f"{time.perf_counter() - started:.0f}s", flush=True)
     final = evaluate(model, val_runs)
     out = Path(args.out) if args.out else nc.SHIPPED_WEIGHTS
     out.parent.mkdir(parents=True, exist_ok=True)
