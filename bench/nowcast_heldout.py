@@ -178,7 +178,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--nowcaster", default=None, help="neuron-aware weights (default: the shipped ones)")
     parser.add_argument("--weight-nowcaster", default=str(ROOT / "results-tmp" / "nowcaster_weight.pt"))
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", default=str(ROOT / "docs" / "results" / "nowcast_heldout"))
+    parser.add_argument("--out", default=None, help="results path without suffix (default: docs/results/"
+                        "nowcast_heldout, or results-tmp/nowcast_heldout_quick with --quick)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     tasks = QUICK if args.quick else {k: HELDOUT[k] for k in args.tasks}
@@ -188,7 +189,8 @@ def main(argv: list[str] | None = None) -> None:
     casters = {"neuron": nc.load_nowcaster(args.nowcaster)}
     if any(a.endswith(":weight") for a in args.arms):
         casters["weight"] = nc.load_nowcaster(args.weight_nowcaster)
-    out = Path(args.out)
+    out = Path(args.out) if args.out else (ROOT / "results-tmp" / "nowcast_heldout_quick" if args.quick
+                                           else ROOT / "docs" / "results" / "nowcast_heldout")
     json_path = out.with_suffix(".json")
     results = json.loads(json_path.read_text()) if json_path.exists() and not args.quick else {}
     results.update(git_commit=git_commit(), date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
