@@ -156,6 +156,44 @@ def run_arm(spec: dict[str, Any], lr: float, cosine: bool, caster: nc.Nowcaster 
                 if jumper is not None else 0.0)
 
 
+def call_cost(casters: dict[str, nc.Nowcaster], specs: dict[str, dict[str, Any]], repeats: int = 3) -> dict[str, Any]:
+    """Seconds per nowcaster call (best of ``repeats``; features, model and interpolation), on
+    each task's model and on a 1.07M-parameter MLP (784-1024-256-10), and one real training
+    step of each task for scale."""
+    models = {name: fam.make_model(dict(spec, seed=0)) for name, spec in specs.items()}
+    torch.manual_seed(0)
+    models["mlp-1.07M"] = torch.nn.Sequential(torch.nn.Linear(784, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 256),
+                                              torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    out: dict[str, Any] = {}
+    for name, model in models.items():
+        layout = nc.describe_model(model)
+        w = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        window = w + torch.randn(5, w.numel()).cumsum(0) * 1e-3
+        row = dict(params=layout.total)
+        for variant, caster in casters.items():
+            best = math.inf
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                caster.predict(window, layout, 8)
+                best = min(best, time.perf_counter() - t0)
+            row[f"{variant}_s"] = best
+        if name in specs:
+            spec = dict(specs[name], seed=0, opt="adam", lr=1e-3, steps=10)
+            opt, _ = fam.make_optimizer(spec, model)
+            stream, loss_fn = fam.batches(spec), fam.loss_fn(spec)
+            best = math.inf
+            for _ in range(repeats + 2):
+                t0 = time.perf_counter()
+                loss = loss_fn(model, next(stream))
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                best = min(best, time.perf_counter() - t0)
+            row["train_step_s"] = best
+        out[name] = row
+    return out
+
+
 def first_reach(curve: list[dict[str, Any]], target: float) -> tuple[int | None, float | None]:
     for c in curve:
         if c["loss"] <= target:
@@ -201,6 +239,9 @@ def main(argv: list[str] | None = None) -> None:
                                        meta={m: v.meta.get(m) for m in ("command", "git_commit", "val_rel_error")})
                                for k, v in casters.items()})
     results.setdefault("tasks", {})
+    results["call_cost"] = call_cost(casters, {k: {kk: vv for kk, vv in v.items() if kk not in ("nominal_lr", "grid")}
+                                               for k, v in tasks.items()})
+    print("call cost:", json.dumps(results["call_cost"]), flush=True)
     for name, task in tasks.items():
         entry = results["tasks"].setdefault(name, dict(spec=task, tuning={}, seeds={}))
         base = {k: v for k, v in task.items() if k not in ("nominal_lr", "grid")}
@@ -243,6 +284,17 @@ def summarise(results: dict[str, Any], out: Path, quick: bool = False) -> None:
              "", "Targets: the tuned cosine run's validation loss at 50% / 75% / 100% of its steps (per seed). "
              "Speed-up = the cosine run's steps (or training seconds) to the target over the arm's; "
              "'–' = not reached.", ""]
+    cost = results.get("call_cost", {})
+    if cost:
+        variants = [k[:-2] for k in next(iter(cost.values())) if k.endswith("_s") and k != "train_step_s"]
+        lines += ["## Cost of one nowcaster call (best of 3, one thread; noisy shared machine)", "",
+                  "| model | parameters | " + " | ".join(f"{v} call (s)" for v in variants) + " | one training step (s) |",
+                  "|---|---|" + "---|" * len(variants) + "---|"]
+        for name, row in cost.items():
+            step = f"{row['train_step_s']:.4f}" if "train_step_s" in row else "–"
+            lines.append(f"| {name} | {row['params']:,} | " + " | ".join(f"{row[v + '_s']:.3f}" for v in variants)
+                         + f" | {step} |")
+        lines.append("")
     for name, entry in results["tasks"].items():
         lines += [f"## {name}: {json.dumps(entry['spec'])}", "",
                   f"cosine rate tuned on seed 99 over {entry['spec']['grid']}: final val loss "

@@ -211,20 +211,12 @@ def _inside_attention(model: nn.Module, name: str) -> bool:
 N_FEATURES = DEFAULT_CONTEXT + 1 + 3 + len(KINDS) + 2
 
 
-def tensor_features(window: torch.Tensor, info: TensorInfo, context: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-element features of one tensor and its displacement unit.
-
-    Args:
-        window: ``[context + 1, numel]`` fp32 snapshots of this tensor, oldest first.
-    Returns:
-        ``([numel, N_FEATURES], s)`` (storage order) where ``s`` (a 0-dim tensor) is the mean absolute
-        displacement per interval, the unit of every displacement feature and of the output.
-    """
+def tensor_stats(window: torch.Tensor, info: TensorInfo) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(s, w_rms, const)`` of one tensor: its displacement unit ``s`` (mean absolute
+    displacement per interval), its weights' RMS, and its tensor-level features."""
     deltas = window[1:] - window[:-1]  # [context, numel], oldest first
     s = deltas.abs().mean().clamp_min(_TINY)
-    w = window[-1]
-    w_rms = w.pow(2).mean().sqrt().clamp_min(_TINY)
-    newest_first = (deltas.flip(0) / s).clamp(-50, 50)  # [context, numel]
+    w_rms = window[-1].pow(2).mean().sqrt().clamp_min(_TINY)
     first, last = deltas[0].abs().mean().clamp_min(_TINY), deltas[-1].abs().mean().clamp_min(_TINY)
     tensor_level = torch.stack([
         torch.log10(s / w_rms).clamp(-8, 2) / 4,  # how fast the tensor moves relative to its size
@@ -234,8 +226,43 @@ def tensor_features(window: torch.Tensor, info: TensorInfo, context: int) -> tup
     kind = torch.zeros(len(KINDS))
     kind[KINDS.index(info.kind)] = 1.0
     const = torch.cat([tensor_level, kind, torch.tensor([info.depth, 1.0 if info.kind == "bias" else 0.0])])
-    per_elem = torch.cat([newest_first, (w / w_rms).clamp(-20, 20)[None]], dim=0).t()  # [numel, context+1]
-    return torch.cat([per_elem, const.expand(info.numel, const.numel())], dim=1), s
+    return s, w_rms, const
+
+
+def element_features(window: torch.Tensor, s: torch.Tensor, w_rms: torch.Tensor, const: torch.Tensor) -> torch.Tensor:
+    """``[n, N_FEATURES]`` features of a contiguous range of one tensor's elements
+    (``window``: ``[context + 1, n]``), given :func:`tensor_stats`."""
+    deltas = window[1:] - window[:-1]
+    newest_first = (deltas.flip(0) / s).clamp(-50, 50)  # [context, n]
+    per_elem = torch.cat([newest_first, (window[-1] / w_rms).clamp(-20, 20)[None]], dim=0).t()
+    return torch.cat([per_elem, const.expand(window.shape[1], const.numel())], dim=1)
+
+
+def tensor_features(window: torch.Tensor, info: TensorInfo, context: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-element features of one tensor and its displacement unit.
+
+    Args:
+        window: ``[context + 1, numel]`` fp32 snapshots of this tensor, oldest first.
+    Returns:
+        ``([numel, N_FEATURES], s)`` (storage order) where ``s`` (a 0-dim tensor) is the mean absolute
+        displacement per interval, the unit of every displacement feature and of the output.
+    """
+    s, w_rms, const = tensor_stats(window, info)
+    return element_features(window, s, w_rms, const), s
+
+
+# Inference runs in chunks of about this many weights, so the per-weight activations of the
+# hidden layers stay in cache instead of streaming [P, width] tensors through memory (the
+# difference is most of a call's time on a CPU). Training runs unchunked (autograd).
+_CHUNK = 1 << 15
+
+
+def _chunks(info: TensorInfo):
+    """Ranges ``(lo, hi)`` of the storage's first axis, and elements per index of that axis."""
+    first = info.cols if info.transposed else info.rows
+    per = info.numel // first
+    step = max(1, _CHUNK // per)
+    return [(lo, min(first, lo + step)) for lo in range(0, first, step)], per
 
 
 # ------------------------------------------------------------------------------ models ----
@@ -298,11 +325,24 @@ class WeightNowcaster(Nowcaster):
         return dict(super().config(), hidden=self.hidden)
 
     def forward(self, window: torch.Tensor, layout: Layout) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return self._forward_chunked(window, layout)
         outs = []
         for info in layout.tensors:
             feats, s = tensor_features(window[:, info.offset:info.offset + info.numel], info, self.context)
             outs.append(self.net(feats).t() * s)  # [H, numel]
         return torch.cat(outs, dim=1)
+
+    def _forward_chunked(self, window: torch.Tensor, layout: Layout) -> torch.Tensor:
+        out = window.new_empty(len(self.horizons), layout.total)
+        for info in layout.tensors:
+            w = window[:, info.offset:info.offset + info.numel]
+            s, w_rms, const = tensor_stats(w, info)
+            ranges, per = _chunks(info)
+            for lo, hi in ranges:
+                f = element_features(w[:, lo * per:hi * per], s, w_rms, const)
+                out[:, info.offset + lo * per:info.offset + hi * per] = self.net(f).t() * s
+        return out
 
 
 class _Round(nn.Module):
@@ -346,6 +386,40 @@ class _Round(nn.Module):
             out.append(h + self.edge_post(torch.nn.functional.silu(msg)).view_as(h))
         return out
 
+    def nodes(self, hs: list[torch.Tensor], layout: Layout) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """Neuron states per group, and the virtual input node of each tensor without an input group."""
+        width = self.to_out_node.out_features
+        sums = [hs[0].new_zeros(n, width) for n in layout.group_sizes]
+        counts = [0] * len(layout.group_sizes)
+        local = []
+        for h, info in zip(hs, layout.tensors):
+            v = info.storage_view(h)
+            r = info.row_axis
+            sums[info.out_group] += self.to_out_node(v.mean(dim=(1 - r, 2)))
+            counts[info.out_group] += 1
+            m_in = self.to_in_node(v.mean(dim=(r, 2)))
+            if info.in_group >= 0:
+                sums[info.in_group] += m_in
+                counts[info.in_group] += 1
+                local.append(None)
+            else:
+                local.append(self.node(m_in))
+        return [self.node(s / max(1, c)) for s, c in zip(sums, counts)], local
+
+    def update_chunked_(self, hs: list[torch.Tensor], layout: Layout) -> None:
+        """The round in place, chunk by chunk (inference only; same values as :meth:`forward`)."""
+        nodes, local = self.nodes(hs, layout)
+        for h, info, n_local in zip(hs, layout.tensors, local):
+            n_out = self.edge_out(nodes[info.out_group])
+            n_in = self.edge_in(nodes[info.in_group] if info.in_group >= 0 else n_local)
+            a, b = (n_in, n_out) if info.transposed else (n_out, n_in)
+            ranges, per = _chunks(info)
+            v = info.storage_view(h)
+            for lo, hi in ranges:
+                hc = v[lo:hi]
+                msg = self.edge_self(hc) + a[lo:hi, None, None, :] + b[None, :, None, :]
+                hc += self.edge_post(torch.nn.functional.silu(msg))
+
 
 class NeuronNowcaster(Nowcaster):
     """Message passing over the neuron graph (edges = weights), ``rounds`` rounds of width ``width``."""
@@ -364,7 +438,32 @@ class NeuronNowcaster(Nowcaster):
     def config(self) -> dict[str, Any]:
         return dict(super().config(), width=self.width, rounds=self.rounds)
 
+    def _forward_chunked(self, window: torch.Tensor, layout: Layout) -> torch.Tensor:
+        stats, hs = [], []
+        for info in layout.tensors:
+            w = window[:, info.offset:info.offset + info.numel]
+            st = tensor_stats(w, info)
+            stats.append(st)
+            h = window.new_empty(info.numel, self.width)
+            ranges, per = _chunks(info)
+            for lo, hi in ranges:
+                h[lo * per:hi * per] = self.encode(element_features(w[:, lo * per:hi * per], *st))
+            hs.append(h)
+        for layer in self.layers:
+            layer.update_chunked_(hs, layout)
+        out = window.new_empty(len(self.horizons), layout.total)
+        for info, h, st in zip(layout.tensors, hs, stats):
+            w = window[:, info.offset:info.offset + info.numel]
+            ranges, per = _chunks(info)
+            for lo, hi in ranges:
+                sl = slice(lo * per, hi * per)
+                y = self.decode(self.decode_h(h[sl]) + self.decode_f(element_features(w[:, sl], *st)))
+                out[:, info.offset + sl.start:info.offset + sl.stop] = y.t() * st[0]
+        return out
+
     def forward(self, window: torch.Tensor, layout: Layout) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return self._forward_chunked(window, layout)
         feats, units = [], []
         for info in layout.tensors:
             f, s = tensor_features(window[:, info.offset:info.offset + info.numel], info, self.context)

@@ -259,3 +259,22 @@ def test_neuron_model_is_equivariant_in_gpt_and_cnn(case):
     out_perm = caster.predict_flat(torch.stack([permuted(r) for r in window]), layout)
     for h in range(out.shape[0]):
         torch.testing.assert_close(out_perm[h], permuted(out[h]), rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("variant", ["weight", "neuron"])
+@pytest.mark.parametrize("make", [_mlp, _cnn, _gpt])
+def test_chunked_inference_matches_the_training_forward(variant, make, monkeypatch):
+    monkeypatch.setattr(nc, "_CHUNK", 40)  # many chunks, ragged ends
+    torch.manual_seed(6)
+    caster = nc.build_nowcaster(variant)
+    with torch.no_grad():
+        for p in caster.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    model = make()
+    layout = nc.describe_model(model)
+    window = _window(model)
+    with torch.enable_grad():
+        reference = caster.predict_flat(window, layout).detach()
+    with torch.no_grad():
+        chunked = caster.predict_flat(window, layout)
+    torch.testing.assert_close(chunked, reference, rtol=1e-4, atol=1e-6)
