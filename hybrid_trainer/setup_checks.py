@@ -84,3 +84,15 @@ def check_ddp_trains_only_its_module(ranks: Any, outside_model: list[torch.Tenso
         raise ValueError(f"optimizer: trains {len(outside_model)} tensor(s) outside the "
                          f"DistributedDataParallel model, whose gradients DDP does not average across "
                          f"ranks; make them parameters of the wrapped module")
+
+
+def check_train_mode(optimizer: torch.optim.Optimizer) -> None:
+    """A schedule-free optimizer (``schedulefree``'s) holds the weights at its averaged point
+    after ``optimizer.eval()``: a step, real or predicted, would move that point instead of the
+    one its gradients belong at. Its own ``step()`` refuses only after the forward, backward
+    and guard of the step have run; this refuses before anything runs."""
+    # Every group: a CombinedOptimizer may hold the schedule-free part second.
+    if not all(group.get("train_mode", True) for group in optimizer.param_groups):
+        raise RuntimeError(f"optimizer: {type(optimizer).__name__} is in eval mode (optimizer.eval() was "
+                           "called, so the weights are its averaged ones); call optimizer.train() before "
+                           "trainer.step()")

@@ -7,11 +7,19 @@ through a getter returning None when it is: its state is saved as None, and rest
 when either side has none (or calls ``on_missing`` when the run has one and the checkpoint not).
 Getters, not objects: components rebuilt when the trained set changes (predictor, snapshots)
 are looked up at save and load time.
+
+Also here: the layout upgrade of older checkpoints (:func:`upgrade_v1`), the key fix of a
+DDP-wrapped model's weights and which random streams a rank resumes with.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
+
+import torch
+
+CHECKPOINT_VERSION = 2  # 2: the worth gate, forecast and predict phase under keys of their own
 
 
 @dataclass(frozen=True)
@@ -69,3 +77,48 @@ class StateRegistry:
             raise ValueError(f"checkpoint: no state for {missing}")
         for key, entry in self._entries.items():
             entry.load(state[key])
+
+
+def without_ddp_prefix(weights: dict[str, Any], module: torch.nn.Module) -> dict[str, Any]:
+    """``weights`` keyed as ``module`` expects: checkpoints written before the trainer saved the
+    unwrapped module's keys hold a DDP wrapper's (``module.`` before every key)."""
+    prefix = "module."
+    if weights and all(k.startswith(prefix) for k in weights) and \
+            not any(k.startswith(prefix) for k in module.state_dict()):
+        return {k[len(prefix):]: v for k, v in weights.items()}
+    return weights
+
+
+def upgrade_v1(state: dict[str, Any]) -> dict[str, Any]:
+    """A version-1 checkpoint in the version-2 layout (v1 kept the worth, forecast and predict
+    phase state in its ``trainer`` entry, and older files may lack optional entries)."""
+    state = dict(state)
+    loop = dict(state["trainer"])
+    state["forecast"] = loop.pop("forecast")
+    state["worth"] = {"predicted_worth": loop.pop("predicted_worth"), "predicted_gain": loop.pop("predicted_gain")}
+    state["predict_phase"] = {k: loop.pop(k) for k in ("predict_base_loss", "last_verified_loss",
+                                                       "last_verified_single_batch", "unverified_steps")}
+    state["trainer"] = loop
+    for key, default in (("outside_model", []), ("cost", None), ("weight_average", None)):
+        state.setdefault(key, default)
+    state["version"] = CHECKPOINT_VERSION
+    return state
+
+
+def rng_of_rank(state: dict[str, Any], ranks) -> dict:
+    """This rank's random streams from a checkpoint (``ranks``: the trainer's
+    :class:`~hybrid_trainer.distributed.RankSync`): written under DDP it holds every rank's
+    (``rng_by_rank``); otherwise the one process's."""
+    by_rank = state.get("rng_by_rank")
+    if by_rank is None:
+        if ranks.active:
+            warnings.warn(f"checkpoint written by one process, resumed on {ranks.world_size} ranks: every "
+                          "rank takes its random streams, so the ranks draw the same dropout masks",
+                          stacklevel=3)
+        return state["rng"]
+    if len(by_rank) != ranks.world_size:
+        warnings.warn(f"checkpoint written by {len(by_rank)} ranks, resumed on {ranks.world_size}: "
+                      "every rank takes rank 0's random streams, so data order and dropout will not "
+                      "repeat the saved run's", stacklevel=3)
+        return by_rank[0]
+    return by_rank[ranks.rank]

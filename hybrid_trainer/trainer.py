@@ -27,15 +27,14 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any, Callable
 
 import torch
 
-from . import checkpoint
+from . import checkpoint, grad_checkpoint
 from .anchor import buffer_slots
 from .averaging import WeightAverage
 from .config import HybridConfig
@@ -46,84 +45,14 @@ from .metrics import MetricsLogger, plot_run
 from .offload import StateOffloader
 from .phases import Phase, PhaseController
 from .predict_phase import PredictPhase
+from .run_report import RunStatistics, StepResult, format_summary
 from .setup_checks import (check_arguments, check_ddp_trains_only_its_module, check_dense, check_predictable,
-                           check_scheduler)
-from .state_registry import StateRegistry
+                           check_scheduler, check_train_mode)
+from .state_registry import CHECKPOINT_VERSION, StateRegistry, rng_of_rank, upgrade_v1, without_ddp_prefix
 from .step_guard import StepGuard
 from .trained_set import TrainedSet
 from .verifier import LossTrend
 from .worth_gate import WorthGate
-
-CHECKPOINT_VERSION = 2  # 2: the worth gate, forecast and predict phase under keys of their own
-
-
-def _without_ddp_prefix(weights: dict[str, Any], module: torch.nn.Module) -> dict[str, Any]:
-    """``weights`` keyed as ``module`` expects: checkpoints written before the trainer saved the
-    unwrapped module's keys hold a DDP wrapper's (``module.`` before every key)."""
-    prefix = "module."
-    if weights and all(k.startswith(prefix) for k in weights) and \
-            not any(k.startswith(prefix) for k in module.state_dict()):
-        return {k[len(prefix):]: v for k, v in weights.items()}
-    return weights
-
-
-def _upgrade_v1(state: dict[str, Any]) -> dict[str, Any]:
-    """A version-1 checkpoint in the version-2 layout (v1 kept the worth, forecast and predict
-    phase state in its ``trainer`` entry, and older files may lack optional entries)."""
-    state = dict(state)
-    loop = dict(state["trainer"])
-    state["forecast"] = loop.pop("forecast")
-    state["worth"] = {"predicted_worth": loop.pop("predicted_worth"), "predicted_gain": loop.pop("predicted_gain")}
-    state["predict_phase"] = {k: loop.pop(k) for k in ("predict_base_loss", "last_verified_loss",
-                                                       "last_verified_single_batch", "unverified_steps")}
-    state["trainer"] = loop
-    for key, default in (("outside_model", []), ("cost", None), ("weight_average", None)):
-        state.setdefault(key, default)
-    state["version"] = CHECKPOINT_VERSION
-    return state
-
-
-@dataclass
-class StepResult:
-    """What one ``trainer.step`` did."""
-
-    step: int
-    phase: str
-    loss: float | None  # training loss (real steps) or verification loss (verified predicted steps)
-    backward_done: bool
-    predicted_loss: float | None = None  # loss the trajectory forecast expected at a verification
-    verified: bool = False
-    accepted: bool | None = None  # outcome of the verification, None if none happened
-    rolled_back: bool = False
-    skipped: bool = False  # a real step whose update was refused (non-finite or divergent)
-    divergence: str = "OK"
-    grad_norm: float | None = None
-    lr: float | None = None
-    confidence: float | None = None
-    wall_time_s: float = 0.0
-
-
-@dataclass
-class RunStatistics:
-    steps_by_phase: dict[str, int] = field(default_factory=lambda: {p.value: 0 for p in Phase})
-    time_by_phase_s: dict[str, float] = field(default_factory=lambda: {p.value: 0.0 for p in Phase})
-    backward_passes: int = 0
-    forward_passes: int = 0
-    optimizer_steps: int = 0
-    predicted_steps: int = 0
-    predicted_steps_kept: int = 0
-    predicted_steps_rolled_back: int = 0
-    verifications: int = 0
-    verifications_accepted: int = 0
-    predict_phases: int = 0
-    predict_phases_rejected: int = 0
-    divergence_rollbacks: int = 0
-    skipped_steps: int = 0
-    trained_set_changes: int = 0  # freezing / unfreezing followed (see _follow_trainable_change)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """In place: the collaborators hold this object."""
-        vars(self).update(vars(RunStatistics(**state)))
 
 
 class HybridTrainer:
@@ -185,7 +114,7 @@ class HybridTrainer:
         self.vram_guard = (VRAMGuard(config.vram_warning, config.vram_critical, reader,
                                      on_critical=self._emergency_checkpoint)
                            if config.vram_critical is not None else None)
-        self.grad_checkpointing = self._make_grad_checkpointing(unwrap(model), config)
+        self.grad_checkpointing = grad_checkpoint.from_config(unwrap(model), config)
 
         self.step_count = 0
         self._last_update_cosine = float("nan")
@@ -212,7 +141,7 @@ class HybridTrainer:
         """One training step on ``batch`` (a list of ``grad_accumulation`` micro-batches when
         accumulation is configured). Returns a :class:`StepResult`."""
         started = time.perf_counter()
-        self._check_train_mode()
+        check_train_mode(self.optimizer)
         if self.trained.changed():
             self._follow_trainable_change()
         phase = self.controller.phase
@@ -249,17 +178,6 @@ class HybridTrainer:
 
     def _confidence(self, horizon: int) -> float:
         return self.forecaster.confidence(horizon, self.predictor)
-
-    def _check_train_mode(self) -> None:
-        """A schedule-free optimizer (``schedulefree``'s) holds the weights at its averaged point
-        after ``optimizer.eval()``: a step, real or predicted, would move that point instead of the
-        one its gradients belong at. Its own ``step()`` refuses only after the forward, backward
-        and guard of the step have run; this refuses before anything runs."""
-        # Every group: a CombinedOptimizer may hold the schedule-free part second.
-        if not all(group.get("train_mode", True) for group in self.optimizer.param_groups):
-            raise RuntimeError(f"optimizer: {type(self.optimizer).__name__} is in eval mode (optimizer.eval() was "
-                               "called, so the weights are its averaged ones); call optimizer.train() before "
-                               "trainer.step()")
 
     def _track(self, params: list[torch.Tensor], outside: list[torch.Tensor]) -> None:
         """(Re)build everything kept per trained tensor: the prediction buffers, the good state,
@@ -302,23 +220,6 @@ class HybridTrainer:
         self.stats.trained_set_changes += 1
 
     # ------------------------------------------------------------------- memory helpers ----
-    @staticmethod
-    def _make_grad_checkpointing(model: torch.nn.Module, config: HybridConfig):
-        if config.checkpoint_modules is None and config.checkpoint_module_type is None:
-            return None
-        from .grad_checkpoint import GradientCheckpointing
-
-        module_type = None
-        if config.checkpoint_module_type is not None:
-            types = {type(m) for m in model.modules() if type(m).__name__ == config.checkpoint_module_type}
-            if not types:
-                names = sorted({type(m).__name__ for m in model.modules()})
-                raise ValueError(f"HybridConfig.checkpoint_module_type={config.checkpoint_module_type!r}: no submodule "
-                                 f"of that class; the model has {names[:12]}")
-            module_type = tuple(types)
-        return GradientCheckpointing(model, modules=config.checkpoint_modules,
-                                     every_nth=config.checkpoint_every_nth, module_type=module_type)
-
     def _state_home(self) -> None:
         """Optimizer state must be on its device before anything steps or saves it."""
         if self.offloader is not None:
@@ -519,27 +420,7 @@ class HybridTrainer:
 
     def summary(self) -> str:
         """A short human-readable report of the run."""
-        s = self.statistics()
-        lines = [
-            f"steps {s['steps']}: " + ", ".join(f"{k} {v}" for k, v in s["steps_by_phase"].items()),
-            f"backward passes {s['backward_passes']} done, {s['backward_passes_saved']} saved "
-            f"({100 * s['backward_saved_fraction']:.1f}% of steps predicted)",
-            f"predicted steps {s['predicted_steps']}: {s['predicted_steps_kept']} kept, "
-            f"{s['predicted_steps_rolled_back']} rolled back; verifications {s['verifications']} "
-            f"({s['verifications_accepted']} accepted); predict phases {s['predict_phases']} "
-            f"({s['predict_phases_rejected']} rejected)",
-            f"divergence rollbacks {s['divergence_rollbacks']}, skipped updates {s['skipped_steps']}",
-            "time per phase: " + ", ".join(f"{k} {v:.2f}s" for k, v in s["time_by_phase_s"].items()),
-        ]
-        if s["dynamics_error_by_horizon"]:
-            errs = s["dynamics_error_by_horizon"]
-            shown = {h: errs[h] for h in sorted(errs) if h in (1, 2, 4, 8, 16, 32) or h == max(errs)}
-            lines.append("dynamics |error| by horizon (loss units): "
-                         + ", ".join(f"h{h} {v:.3g}" for h, v in shown.items())
-                         + f"; batch noise {s['loss_noise_std']:.3g}")
-        if not s["prediction_enabled"]:
-            lines.append(f"prediction disabled: {s['prediction_disabled_reason']}")
-        return "\n".join(lines)
+        return format_summary(self.statistics())
 
     # =========================================================================== checkpoint ====
     def _registry(self) -> StateRegistry:
@@ -584,7 +465,7 @@ class HybridTrainer:
 
     def _load_model(self, weights: dict[str, Any]) -> None:
         module = unwrap(self.model)
-        module.load_state_dict(_without_ddp_prefix(weights, module))
+        module.load_state_dict(without_ddp_prefix(weights, module))
 
     def _load_outside_model(self, values: list[torch.Tensor]) -> None:
         with torch.no_grad():
@@ -599,7 +480,7 @@ class HybridTrainer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("version") == 1:
-            state = _upgrade_v1(state)
+            state = upgrade_v1(state)
         if state.get("version") != CHECKPOINT_VERSION:
             raise ValueError(f"checkpoint version {state.get('version')!r} is not {CHECKPOINT_VERSION} "
                              f"(nor 1, which still loads)")
@@ -611,24 +492,7 @@ class HybridTrainer:
                              f"values), this one trains {here[0]} ({here[1]}): freeze and unfreeze as the saved "
                              f"run had before constructing the trainer that loads it")
         self.registry.load_state_dict(state)
-        checkpoint.restore_rng(self._own_rng(state))
-
-    def _own_rng(self, state: dict[str, Any]) -> dict:
-        """This rank's random streams from a checkpoint: written by :meth:`save` under DDP, it
-        holds every rank's (``rng_by_rank``); otherwise the one process's."""
-        by_rank = state.get("rng_by_rank")
-        if by_rank is None:
-            if self.ranks.active:
-                warnings.warn(f"checkpoint written by one process, resumed on {self.ranks.world_size} ranks: every "
-                              "rank takes its random streams, so the ranks draw the same dropout masks",
-                              stacklevel=3)
-            return state["rng"]
-        if len(by_rank) != self.ranks.world_size:
-            warnings.warn(f"checkpoint written by {len(by_rank)} ranks, resumed on {self.ranks.world_size}: "
-                          "every rank takes rank 0's random streams, so data order and dropout will not "
-                          "repeat the saved run's", stacklevel=3)
-            return by_rank[0]
-        return by_rank[self.ranks.rank]
+        checkpoint.restore_rng(rng_of_rank(state, self.ranks))
 
     def save(self, path) -> None:
         """Write the full state atomically (temporary file, fsync, rename).
