@@ -18,6 +18,7 @@ from .anchor import WeightAnchor
 from .config import HybridConfig
 from .phases import Phase
 from .predictor import DeltaPredictor
+from .run_report import StepResult
 from .verifier import verify
 
 
@@ -64,9 +65,9 @@ class PredictPhase:
             return undone
         return 0
 
-    def step(self, batch: Any, step: int, result_type) -> Any:
+    def step(self, batch: Any, step: int) -> StepResult:
         """One predicted step (``step``: the trainer's step count); verifies it every
-        ``verify_every`` steps and at the end of the phase. Returns a ``result_type`` (StepResult)."""
+        ``verify_every`` steps and at the end of the phase."""
         cfg = self.config
         ctl = self.controller
         if ctl.phase_step == 0:
@@ -80,7 +81,7 @@ class PredictPhase:
         self.stats.predicted_steps += 1
         self.unverified_steps += 1
         horizon = ctl.phase_step + 1
-        result = result_type(step=step, phase=Phase.PREDICT.value, loss=None, backward_done=False, confidence=None)
+        result = StepResult(step=step, phase=Phase.PREDICT.value, loss=None, backward_done=False, confidence=None)
         if horizon % cfg.verify_every != 0 and horizon < ctl.length:
             return result
 

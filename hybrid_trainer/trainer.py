@@ -149,7 +149,7 @@ class HybridTrainer:
             if phase is Phase.PREDICT:
                 if self.controller.phase_step == 0 and self.offloader is not None:
                     self.offloader.offload()
-                result = self.predict_phase.step(batch, self.step_count, StepResult)
+                result = self.predict_phase.step(batch, self.step_count)
             else:
                 self._state_home()
                 result = self._real_step(batch, phase)
