@@ -318,7 +318,7 @@ class HybridTrainer:
                               rolled_back=rolled_back, divergence="; ".join(report.reasons) or report.severity.name,
                               grad_norm=grad_norm, lr=lr)
 
-        predictor = self.predictor
+        predictor = self.predict_phase.predictor  # not the property: one call less per step
         if record:
             mark = worth.clock("recording")
             worth.measure(predictor, [p.grad for p in self.params], self.loss_trend)
