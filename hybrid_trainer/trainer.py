@@ -25,6 +25,7 @@ real updates; predicted steps do not advance it.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Sequence
@@ -90,7 +91,10 @@ class HybridTrainer:
         self.ranks.check_same("config", {k: v for k, v in config.to_dict().items()
                                          if k not in ("metrics_path", "emergency_checkpoint_path")})
 
-        self.controller = PhaseController(config)
+        # PREDICT as a nowcast jump replaces the predicted-step phases: the phase machine then
+        # never predicts (and nothing is recorded for it).
+        self.controller = PhaseController(dataclasses.replace(config, predict=False)
+                                          if config.predictor == "nowcast" else config)
         self.loss_trend = LossTrend()
         self.stats = RunStatistics()
         self.scaler = (torch.amp.GradScaler(self.device.type)
@@ -118,6 +122,7 @@ class HybridTrainer:
 
         self.step_count = 0
         self._last_update_cosine = float("nan")
+        self.nowcast = self._make_nowcast(config)
         self.registry = self._registry()
 
     # Collaborators' parts that users, benchmarks and tests read from the trainer.
@@ -353,10 +358,26 @@ class HybridTrainer:
         self.forecaster.observe(phase, self.step_count, self.stats.optimizer_steps, total, grad_norm, update_norm,
                                 lr, self.optimizer)
         guard.accept(self.step_count, self.stats.optimizer_steps, total, grad_norm, report.severity)
+        if self.nowcast is not None:  # PREDICT as a nowcast jump: snapshot, jump or verdict when due
+            self.nowcast.after_step(self.step_count, total)
         if record:
             worth.time("core", worth.clock("core") - started - worth.machinery_s)
         return StepResult(step=self.step_count, phase=phase.value, loss=total, backward_done=True,
                           divergence=report.severity.name, grad_norm=grad_norm, lr=lr)
+
+    def _make_nowcast(self, config: HybridConfig):
+        """The nowcast-jump controller when ``config.predictor == "nowcast"``, else None."""
+        if config.predictor != "nowcast":
+            return None
+        from .nowcast_jump import NowcastJump
+        from .nowcaster import load_nowcaster
+
+        if self.ranks.active:
+            raise ValueError("predictor: 'nowcast' is not supported under DistributedDataParallel yet")
+        return NowcastJump(unwrap(self.model), self.optimizer, caster=load_nowcaster(config.nowcast_weights),
+                           spacing=config.nowcast_spacing, call_every=config.nowcast_call_every,
+                           recovery_steps=config.nowcast_recovery_steps, trend_steps=config.nowcast_trend_steps,
+                           moments=config.nowcast_moments, margin=config.nowcast_margin, scheduler=self.scheduler)
 
     def _verification_loss(self, batch: Any) -> tuple[float, int]:
         """Mean loss of ``batch`` without gradients, averaged over ranks (the verdict must be the
@@ -416,6 +437,11 @@ class HybridTrainer:
             required_worth=self.required_worth(),
             prediction_overhead=None if self.cost is None else self.cost.overhead,
         )
+        if self.nowcast is not None:
+            records = self.nowcast.records
+            s.update(nowcast_jumps=len(records), nowcast_kept=sum(r.kept is True for r in records),
+                     nowcast_rolled_back=sum(r.kept is False for r in records),
+                     nowcaster_seconds=self.nowcast.nowcaster_seconds)
         return s
 
     def summary(self) -> str:
@@ -453,6 +479,7 @@ class HybridTrainer:
         reg.register_component("worth", lambda: self.worth)
         reg.register("forecast", lambda: self.forecaster.forecast, lambda v: setattr(self.forecaster, "forecast", v))
         reg.register_component("predict_phase", lambda: self.predict_phase)
+        reg.register_component("nowcast", lambda: self.nowcast)
         reg.register("trainer", self._loop_state, self._load_loop_state)
         reg.register("rng", checkpoint.capture_rng, lambda v: None)  # restored by load_state_dict, per rank
         return reg
@@ -481,6 +508,8 @@ class HybridTrainer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("version") == 1:
             state = upgrade_v1(state)
+        if "nowcast" not in state:  # saved before nowcast jumps existed: none was in flight
+            state = dict(state, nowcast=None)
         if state.get("version") != CHECKPOINT_VERSION:
             raise ValueError(f"checkpoint version {state.get('version')!r} is not {CHECKPOINT_VERSION} "
                              f"(nor 1, which still loads)")
