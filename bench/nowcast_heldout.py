@@ -16,7 +16,8 @@ Arms (every arm sees the same initialisation and batch stream for a seed):
   5, 3, 1 over the calls). Adam's moments are kept (``keep``) or zeroed with its step count
   (``reset``). ``cosine+nc:judged`` runs the package's :class:`~hybrid_trainer.nowcast_jump.NowcastJump`:
   each jump judged after ``call_every / 3`` steps against the pre-jump loss trend and rolled back
-  exactly when it does not beat it. The learning-rate schedule is not advanced by a jump. Snapshots restart after a
+  exactly when it does not beat it. ``:cap16`` caps the horizon at 16 spacings (the longest at
+  which the meta-trained nowcaster beat predicting no movement on its validation runs). The learning-rate schedule is not advanced by a jump. Snapshots restart after a
   jump, so every call sees a trajectory of real steps from the jumped weights.
 
 Measured: validation loss and accuracy every ``eval_every`` steps (and right before and after
@@ -95,7 +96,8 @@ class Jumper:
 
 
 def run_arm(spec: dict[str, Any], lr: float, cosine: bool, caster: nc.Nowcaster | None, moments: str,
-            steps: int, spacing: int, call_every: int, eval_every: int) -> dict[str, Any]:
+            steps: int, spacing: int, call_every: int, eval_every: int, cap: int | None = None) -> dict[str, Any]:
+    schedule = tuple(min(k, cap) for k in SCHEDULE) if cap else SCHEDULE
     spec = dict(spec, opt="adamw" if cosine else "adam", cosine=cosine, lr=lr, steps=steps)
     model = fam.make_model(spec)
     opt, schedule = fam.make_optimizer(spec, model)
@@ -103,7 +105,7 @@ def run_arm(spec: dict[str, Any], lr: float, cosine: bool, caster: nc.Nowcaster 
     judged = None
     if caster is not None and moments == "judged":
         judged = NowcastJump(model, opt, caster=caster, spacing=spacing, call_every=call_every,
-                             recovery_steps=call_every // 3, trend_steps=call_every // 3, schedule=SCHEDULE)
+                             recovery_steps=call_every // 3, trend_steps=call_every // 3, schedule=schedule)
         caster = None
     jumper = Jumper(caster, model, spacing) if caster is not None else None
     curve, jumps = [], []
@@ -111,9 +113,9 @@ def run_arm(spec: dict[str, Any], lr: float, cosine: bool, caster: nc.Nowcaster 
     calls = 0
     for step in range(steps + 1):
         if jumper is not None:
-            if step > 0 and step % call_every == 0 and step < steps and jumper.ready and calls < len(SCHEDULE):
+            if step > 0 and step % call_every == 0 and step < steps and jumper.ready and calls < len(schedule):
                 pre = evaluate(model)
-                k = SCHEDULE[calls]
+                k = schedule[calls]
                 t0 = time.perf_counter()
                 rel = jumper.jump(k)
                 if moments == "reset":
@@ -211,8 +213,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--call-every", type=int, default=300)
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--arms", nargs="*",
-                        default=["adam", "adam+nc", "cosine", "cosine+nc", "cosine+nc:weight", "cosine+nc:reset",
-                                 "cosine+nc:judged"])
+                        default=["adam", "adam+nc", "cosine", "cosine+nc", "cosine+nc:cap16", "cosine+nc:weight",
+                                 "cosine+nc:reset", "cosine+nc:judged"])
     parser.add_argument("--nowcaster", default=None, help="neuron-aware weights (default: the shipped ones)")
     parser.add_argument("--weight-nowcaster", default=str(ROOT / "results-tmp" / "nowcaster_weight.pt"))
     parser.add_argument("--quick", action="store_true")
@@ -262,8 +264,9 @@ def main(argv: list[str] | None = None) -> None:
                 variant = "weight" if arm.endswith(":weight") else "neuron"
                 caster = casters[variant] if "+nc" in arm else None
                 moments = arm.split(":")[1] if arm.endswith((":reset", ":judged")) else "keep"
+                cap = int(arm.split(":cap")[1]) if ":cap" in arm else None
                 lr = best_lr if cosine else task["nominal_lr"]
-                r = run_arm(dict(base, seed=seed), lr, cosine, caster, moments, **kw)
+                r = run_arm(dict(base, seed=seed), lr, cosine, caster, moments, cap=cap, **kw)
                 arms[arm] = r
                 print(f"{name} seed {seed} {arm}: final loss {r['final_loss']:.4f} acc {r['final_acc']:.4f}, "
                       f"{r['train_s']:.0f}s (nowcaster {r['nowcaster_s']:.2f}s); jumps "
