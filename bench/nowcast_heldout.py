@@ -97,7 +97,7 @@ class Jumper:
 
 def run_arm(spec: dict[str, Any], lr: float, cosine: bool, caster: nc.Nowcaster | None, moments: str,
             steps: int, spacing: int, call_every: int, eval_every: int, cap: int | None = None) -> dict[str, Any]:
-    schedule = tuple(min(k, cap) for k in SCHEDULE) if cap else SCHEDULE
+    horizons = tuple(min(k, cap) for k in SCHEDULE) if cap else SCHEDULE
     spec = dict(spec, opt="adamw" if cosine else "adam", cosine=cosine, lr=lr, steps=steps)
     model = fam.make_model(spec)
     opt, schedule = fam.make_optimizer(spec, model)
@@ -105,7 +105,7 @@ def run_arm(spec: dict[str, Any], lr: float, cosine: bool, caster: nc.Nowcaster 
     judged = None
     if caster is not None and moments == "judged":
         judged = NowcastJump(model, opt, caster=caster, spacing=spacing, call_every=call_every,
-                             recovery_steps=call_every // 3, trend_steps=call_every // 3, schedule=schedule)
+                             recovery_steps=call_every // 3, trend_steps=call_every // 3, schedule=horizons)
         caster = None
     jumper = Jumper(caster, model, spacing) if caster is not None else None
     curve, jumps = [], []
@@ -113,9 +113,9 @@ def run_arm(spec: dict[str, Any], lr: float, cosine: bool, caster: nc.Nowcaster 
     calls = 0
     for step in range(steps + 1):
         if jumper is not None:
-            if step > 0 and step % call_every == 0 and step < steps and jumper.ready and calls < len(schedule):
+            if step > 0 and step % call_every == 0 and step < steps and jumper.ready and calls < len(horizons):
                 pre = evaluate(model)
-                k = schedule[calls]
+                k = horizons[calls]
                 t0 = time.perf_counter()
                 rel = jumper.jump(k)
                 if moments == "reset":
