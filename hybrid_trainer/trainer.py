@@ -359,7 +359,11 @@ class HybridTrainer:
                                 lr, self.optimizer)
         guard.accept(self.step_count, self.stats.optimizer_steps, total, grad_norm, report.severity)
         if self.nowcast is not None:  # PREDICT as a nowcast jump: snapshot, jump or verdict when due
-            self.nowcast.after_step(self.step_count, total)
+            if self.nowcast.after_step(self.step_count, total) in ("jump", "rolled_back"):
+                # A far jump first makes the loss worse by design and is judged by its own verdict;
+                # the divergence monitor's window describes the trajectory before it, and would
+                # take the jump's transient for a divergence (and roll the weights back itself).
+                guard.monitor.reset_window()
         if record:
             worth.time("core", worth.clock("core") - started - worth.machinery_s)
         return StepResult(step=self.step_count, phase=phase.value, loss=total, backward_done=True,

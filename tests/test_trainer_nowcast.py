@@ -130,3 +130,23 @@ def test_default_trainer_has_no_nowcast():
     model = nn.Linear(4, 2)
     trainer = HybridTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), _loss)
     assert trainer.nowcast is None and trainer.state_dict()["nowcast"] is None
+
+
+def test_a_jump_transient_is_not_taken_for_a_divergence(caster_path, tmp_path):
+    """A far jump makes the loss worse by design; the divergence guard must leave it to the
+    jump's own verdict instead of rolling the weights back itself."""
+    caster = nc.load_nowcaster(caster_path)
+    with torch.no_grad():
+        caster.net[-1].weight.mul_(400.0)  # a violent jump
+        caster.net[-1].bias.mul_(400.0)
+    path = tmp_path / "violent.pt"
+    nc.save_nowcaster(caster, path)
+    trainer = _trainer(str(path), warmup_steps=0, nowcast_trend_steps=10, nowcast_call_every=20,
+                       nowcast_recovery_steps=6)
+    stream = _stream(40)
+    results = [trainer.step(b) for b in stream[:20]]
+    assert trainer.nowcast.pending is not None and trainer.nowcast.records[-1].rel_norm > 0.5
+    after = [trainer.step(b) for b in stream[20:26]]
+    assert after[0].loss > 2 * results[-2].loss  # the jump did hurt at first
+    assert not any(r.skipped or r.rolled_back for r in after)
+    assert trainer.nowcast.records[-1].kept is not None  # judged by its verdict
