@@ -241,6 +241,9 @@ def main(argv: list[str] | None = None) -> None:
                                        meta={m: v.meta.get(m) for m in ("command", "git_commit", "val_rel_error")})
                                for k, v in casters.items()})
     results.setdefault("tasks", {})
+    results.setdefault("commands", [])
+    if not results["commands"] or results["commands"][-1] != results["command"]:
+        results["commands"].append(results["command"])
     results["call_cost"] = call_cost(casters, {k: {kk: vv for kk, vv in v.items() if kk not in ("nominal_lr", "grid")}
                                                for k, v in tasks.items()})
     print("call cost:", json.dumps(results["call_cost"]), flush=True)
@@ -279,7 +282,10 @@ def main(argv: list[str] | None = None) -> None:
 
 def summarise(results: dict[str, Any], out: Path, quick: bool = False) -> None:
     """Targets, speed-ups and the markdown table + plot from ``results``."""
-    lines = [f"# Learned nowcasting on held-out tasks (`{results['command']}`)", "",
+    commands = results.get("commands") or [results["command"]]
+    lines = ["# Learned nowcasting on held-out tasks", "",
+             "Commands (one CPU thread each; later runs add seeds to the same file): "
+             + ", ".join(f"`OMP_NUM_THREADS=1 {c}`" for c in commands), "",
              f"git commit {results['git_commit']}, {results['date']}, one CPU thread on a shared 2-core "
              f"machine (wall-clock noisy). {results['steps']} steps per run, snapshots every "
              f"{results['spacing']} steps, a jump every {results['call_every']} steps with horizons "
