@@ -233,6 +233,7 @@ def main(argv: list[str] | None = None) -> None:
                                            else ROOT / "docs" / "results" / "nowcast_heldout")
     json_path = out.with_suffix(".json")
     results = json.loads(json_path.read_text()) if json_path.exists() and not args.quick else {}
+    earlier = results.get("commands") or ([results["command"]] if "command" in results else [])
     results.update(git_commit=git_commit(), date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                    command="python -m bench.nowcast_heldout " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
                    steps=args.steps, spacing=args.spacing, call_every=args.call_every, eval_every=args.eval_every,
@@ -241,9 +242,7 @@ def main(argv: list[str] | None = None) -> None:
                                        meta={m: v.meta.get(m) for m in ("command", "git_commit", "val_rel_error")})
                                for k, v in casters.items()})
     results.setdefault("tasks", {})
-    results.setdefault("commands", [])
-    if not results["commands"] or results["commands"][-1] != results["command"]:
-        results["commands"].append(results["command"])
+    results["commands"] = earlier + ([results["command"]] if results["command"] not in earlier else [])
     results["call_cost"] = call_cost(casters, {k: {kk: vv for kk, vv in v.items() if kk not in ("nominal_lr", "grid")}
                                                for k, v in tasks.items()})
     print("call cost:", json.dumps(results["call_cost"]), flush=True)
