@@ -373,7 +373,7 @@ class HybridTrainer:
         """The nowcast-jump controller when ``config.predictor == "nowcast"``, else None."""
         if config.predictor != "nowcast":
             return None
-        from .nowcast_jump import NowcastJump
+        from .nowcast_jump import NINO_SCHEDULE, NowcastJump
         from .nowcaster import load_nowcaster
 
         if self.ranks.active:
@@ -381,7 +381,8 @@ class HybridTrainer:
         return NowcastJump(unwrap(self.model), self.optimizer, caster=load_nowcaster(config.nowcast_weights),
                            spacing=config.nowcast_spacing, call_every=config.nowcast_call_every,
                            recovery_steps=config.nowcast_recovery_steps, trend_steps=config.nowcast_trend_steps,
-                           moments=config.nowcast_moments, margin=config.nowcast_margin, scheduler=self.scheduler)
+                           moments=config.nowcast_moments, margin=config.nowcast_margin, scheduler=self.scheduler,
+                           schedule=tuple(min(k, config.nowcast_max_horizon) for k in NINO_SCHEDULE))
 
     def _verification_loss(self, batch: Any) -> tuple[float, int]:
         """Mean loss of ``batch`` without gradients, averaged over ranks (the verdict must be the

@@ -150,3 +150,10 @@ def test_a_jump_transient_is_not_taken_for_a_divergence(caster_path, tmp_path):
     assert after[0].loss > 2 * results[-2].loss  # the jump did hurt at first
     assert not any(r.skipped or r.rolled_back for r in after)
     assert trainer.nowcast.records[-1].kept is not None  # judged by its verdict
+
+
+def test_horizon_schedule_is_capped(caster_path):
+    trainer = _trainer(caster_path, nowcast_max_horizon=8)
+    assert trainer.nowcast.schedule == (8, 8, 8, 8, 8, 8, 8, 5, 3, 1)
+    with pytest.raises(ValueError, match="nowcast_max_horizon"):
+        HybridConfig(predictor="nowcast", nowcast_max_horizon=0)
