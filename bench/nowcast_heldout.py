@@ -16,7 +16,7 @@ Arms (every arm sees the same initialisation and batch stream for a seed):
   5, 3, 1 over the calls). Adam's moments are kept (``keep``) or zeroed with its step count
   (``reset``). ``cosine+nc:judged`` runs the package's :class:`~hybrid_trainer.nowcast_jump.NowcastJump`:
   each jump judged after ``call_every / 3`` steps against the pre-jump loss trend and rolled back
-  exactly when it does not beat it. ``:cap16`` caps the horizon at 16 spacings (the longest at
+  exactly when it does not beat it (``:judged:cap16``: with capped horizons, the trainer's default). ``:cap16`` caps the horizon at 16 spacings (the longest at
   which the meta-trained nowcaster beat predicting no movement on its validation runs). The learning-rate schedule is not advanced by a jump. Snapshots restart after a
   jump, so every call sees a trajectory of real steps from the jumped weights.
 
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--arms", nargs="*",
                         default=["adam", "adam+nc", "cosine", "cosine+nc", "cosine+nc:cap16", "cosine+nc:weight",
-                                 "cosine+nc:reset", "cosine+nc:judged"])
+                                 "cosine+nc:reset", "cosine+nc:judged", "cosine+nc:judged:cap16"])
     parser.add_argument("--nowcaster", default=None, help="neuron-aware weights (default: the shipped ones)")
     parser.add_argument("--weight-nowcaster", default=str(ROOT / "results-tmp" / "nowcaster_weight.pt"))
     parser.add_argument("--quick", action="store_true")
@@ -225,9 +225,9 @@ def main(argv: list[str] | None = None) -> None:
     tasks = QUICK if args.quick else {k: HELDOUT[k] for k in args.tasks}
     if args.quick:
         args.steps, args.spacing, args.call_every, args.eval_every, args.seeds = 240, 10, 60, 20, [0]
-        args.arms = [a for a in args.arms if a != "cosine+nc:weight"]
+        args.arms = [a for a in args.arms if "weight" not in a.split(":")[1:]]
     casters = {"neuron": nc.load_nowcaster(args.nowcaster)}
-    if any(a.endswith(":weight") for a in args.arms):
+    if any("weight" in a.split(":")[1:] for a in args.arms):
         casters["weight"] = nc.load_nowcaster(args.weight_nowcaster)
     out = Path(args.out) if args.out else (ROOT / "results-tmp" / "nowcast_heldout_quick" if args.quick
                                            else ROOT / "docs" / "results" / "nowcast_heldout")
@@ -263,10 +263,11 @@ def main(argv: list[str] | None = None) -> None:
                 if arm in arms:
                     continue
                 cosine = arm.startswith("cosine")
-                variant = "weight" if arm.endswith(":weight") else "neuron"
+                options = arm.split(":")[1:]
+                variant = "weight" if "weight" in options else "neuron"
                 caster = casters[variant] if "+nc" in arm else None
-                moments = arm.split(":")[1] if arm.endswith((":reset", ":judged")) else "keep"
-                cap = int(arm.split(":cap")[1]) if ":cap" in arm else None
+                moments = next((o for o in options if o in ("reset", "judged")), "keep")
+                cap = next((int(o[3:]) for o in options if o.startswith("cap")), None)
                 lr = best_lr if cosine else task["nominal_lr"]
                 r = run_arm(dict(base, seed=seed), lr, cosine, caster, moments, cap=cap, **kw)
                 arms[arm] = r
