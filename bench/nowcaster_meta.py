@@ -14,7 +14,7 @@ no movement), every tensor weighted equally. Two runs are held out for validatio
 Commands (one CPU thread; the shipped weights came from the ``small`` family)::
 
     OMP_NUM_THREADS=1 flock /tmp/cpu.lock python -m bench.nowcaster_meta record --scale small
-    OMP_NUM_THREADS=1 flock /tmp/cpu.lock python -m bench.nowcaster_meta train --variant neuron --minutes 10
+    OMP_NUM_THREADS=1 flock /tmp/cpu.lock python -m bench.nowcaster_meta train --variant neuron --minutes 9
     OMP_NUM_THREADS=1 flock /tmp/cpu.lock python -m bench.nowcaster_meta train --variant weight --minutes 5 \\
         --out results-tmp/nowcaster_weight.pt
 
