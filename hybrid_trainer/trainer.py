@@ -883,7 +883,7 @@ class HybridTrainer:
         if state.get("version") != CHECKPOINT_VERSION:
             raise ValueError(f"checkpoint version {state.get('version')!r} is not {CHECKPOINT_VERSION}")
         # Checked before anything loads: the predictor and anchors hold one slot per trained tensor.
-        saved = (len(state["predictor"]["scales"]), state["predictor"]["ema"].numel())
+        saved = (len(state["predictor"]["scales"]), DeltaPredictor.saved_numel(state["predictor"]))
         here = (len(self.params), sum(p.numel() for p in self.params))
         if saved != here:
             raise ValueError(f"checkpoint: saved by a trainer training {saved[0]} parameter tensors ({saved[1]} "
