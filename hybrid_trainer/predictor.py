@@ -123,8 +123,7 @@ class DeltaPredictor:
         self._appliers.clear()
         self._recording = False
         self.n_updates = 0
-        self.n_scale_fits = 0
-        self.scales.zero_()
+        self.n_scale_fits = 0  # the last scales stay readable (statistics report their mean)
 
     # -- recording real updates ------------------------------------------------------------
     @torch.no_grad()

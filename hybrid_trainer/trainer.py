@@ -177,16 +177,18 @@ class HybridTrainer:
                              f"ranks; make them parameters of the wrapped module")
         # Output paths decide nothing (and rank 0 alone writes the metrics): they may differ.
         self.ranks.check_same("config", {k: v for k, v in config.to_dict().items()
-                                         if k not in ("metrics_path", "emergency_checkpoint_path")})
+                                         if k not in ("metrics_path", "emergency_checkpoint_path", "snapshot_dir")})
 
         self.weight_average = None
         self._track(self.params, self._outside_model)
         self.history = hk.StateHistory(device=self.device)
         self.normalizer = RunningNormalizer(NUM_FEATURES)
-        self.dynamics = DynamicsModel(n_features=NUM_FEATURES, hidden=config.dynamics_hidden,
-                                      ensemble=config.dynamics_ensemble, horizon=config.horizon,
-                                      window=config.dynamics_window, lr=config.dynamics_lr,
-                                      batch=config.dynamics_batch, seed=config.seed, device=self.device)
+        # The loss-trajectory model only serves prediction: a trainer that never predicts holds none.
+        self.dynamics = (DynamicsModel(n_features=NUM_FEATURES, hidden=config.dynamics_hidden,
+                                       ensemble=config.dynamics_ensemble, horizon=config.horizon,
+                                       window=config.dynamics_window, lr=config.dynamics_lr,
+                                       batch=config.dynamics_batch, seed=config.seed, device=self.device)
+                         if config.predict else None)
         self.monitor = DivergenceMonitor(**config.divergence)
         self.controller = PhaseController(config)
         self.loss_trend = LossTrend()
@@ -253,8 +255,12 @@ class HybridTrainer:
             # Once prediction is off for the run the controller never reads the margin again.
             margin = self._worth_margin() if self.controller.prediction_enabled else None
             self.controller.advance(self._confidence, worth_margin=margin)
-        if phase is Phase.PREDICT and self.controller.phase is not Phase.PREDICT and self.offloader is not None:
-            self.offloader.prefetch()  # overlaps the copy back with whatever the caller does next
+        if phase is Phase.PREDICT and self.controller.phase is not Phase.PREDICT:
+            self.anchor.release()  # taken again when the next phase starts
+            if self.offloader is not None:
+                self.offloader.prefetch()  # overlaps the copy back with whatever the caller does next
+        if not self.controller.prediction_enabled and self.predictor.allocated:
+            self._release_prediction_buffers()
         if self.profiler is not None:
             self.profiler.snapshot(result.step, phase.value)
         if self.vram_guard is not None:
@@ -333,8 +339,14 @@ class HybridTrainer:
         self.predictor = DeltaPredictor(params, cfg.direction, cfg.ema_beta, cfg.history_size,
                                         cfg.scale_beta, cfg.scale_max)
         buffers = buffer_slots(unwrap(self.model))  # e.g. batch-norm statistics: forwards change them too
-        self.anchor = WeightAnchor(params, buffers=buffers)  # last verified point of a PREDICT phase
-        self.good_state = WeightAnchor(params, buffers=buffers)  # last healthy point (divergence rollback)
+        # Last verified point of a PREDICT phase: taken at every verification, so kept beside the
+        # weights, and only during the phase (no gradients exist then, so it stays under the peak
+        # of a real step); released when the phase ends.
+        self.anchor = WeightAnchor(params, buffers=buffers)
+        # Last healthy point (divergence rollback), with the optimizer state: taken every
+        # good_state_every real steps and restored only after a spike, so kept off the device.
+        self.good_state = WeightAnchor(params, buffers=buffers, storage=self._good_state_storage(params[0].device),
+                                       directory=cfg.snapshot_dir)
         if cfg.weight_average:
             self.weight_average = (WeightAverage(params) if self.weight_average is None
                                    else self.weight_average.retarget(params))
@@ -345,6 +357,20 @@ class HybridTrainer:
         self._untracked = [p for group in self.optimizer.param_groups for p in group["params"]
                            if id(p) not in tracked]  # frozen now: watched for unfreezing
         self._param_groups = len(self.optimizer.param_groups)
+
+    def _good_state_storage(self, device: torch.device) -> str:
+        """``HybridConfig.good_state_storage`` resolved: on ``"auto"``, page-locked host memory
+        beside a GPU, a temporary file on a CPU (there host memory is the training memory)."""
+        storage = self.config.good_state_storage
+        if storage != "auto":
+            return storage
+        return "host" if device.type == "cuda" else "file"
+
+    def _release_prediction_buffers(self) -> None:
+        """Prediction is off for the rest of the run: free what only it used (the update
+        direction, the phase anchor)."""
+        self.predictor.release()
+        self.anchor.release()
 
     def _follow_trainable_change(self) -> None:
         """Follow a change of which tensors train (``requires_grad_()``, ``add_param_group``:
@@ -804,8 +830,8 @@ class HybridTrainer:
             if self.stats.verifications else None,
             prediction_enabled=self.controller.prediction_enabled,
             prediction_disabled_reason=self.controller.disabled_reason,
-            dynamics_error_by_horizon=self.dynamics.error_report(),
-            dynamics_train_steps=self.dynamics.train_steps,
+            dynamics_error_by_horizon={} if self.dynamics is None else self.dynamics.error_report(),
+            dynamics_train_steps=0 if self.dynamics is None else self.dynamics.train_steps,
             loss_noise_std=self.loss_trend.noise_std,
             divergence_events=dict(self.monitor.counts),
             predicted_scale_mean=float(self.predictor.scales.mean()),
@@ -859,7 +885,7 @@ class HybridTrainer:
             "weight_average": None if self.weight_average is None else self.weight_average.state_dict(),
             "history": self.history.state_dict(),
             "normalizer": self.normalizer.state_dict(),
-            "dynamics": self.dynamics.full_state_dict(),
+            "dynamics": None if self.dynamics is None else self.dynamics.full_state_dict(),
             "monitor": self.monitor.state_dict(),
             "controller": self.controller.state_dict(),
             "loss_trend": self.loss_trend.state_dict(),
@@ -909,7 +935,8 @@ class HybridTrainer:
                 self.weight_average.load_state_dict(state["weight_average"])
         self.history.load_state_dict(state["history"])
         self.normalizer.load_state_dict(state["normalizer"])
-        self.dynamics.load_full_state_dict(state["dynamics"])
+        if self.dynamics is not None and state["dynamics"] is not None:
+            self.dynamics.load_full_state_dict(state["dynamics"])
         self.monitor.load_state_dict(state["monitor"])
         self.controller.load_state_dict(state["controller"])
         self.loss_trend.load_state_dict(state["loss_trend"])
