@@ -14,9 +14,11 @@ the same initial weights, the same batches in the same order and the same seed.
   default config's predicted steps skip the backward, which is a saving, not an overhead). The
   fixed cost is the difference of the medians in µs, the ratio their quotient. Larger models
   (the ≥50M one) are timed inside their memory subprocess, one arm after another.
-* **Peak memory**: each arm in a fresh subprocess. The data and batches are made first, then
-  the peak resident set size is reset (``/proc/self/clear_refs``) and the RSS read as the
-  baseline; the model, optimizer and trainer are built and ``--memory-steps`` steps run; the
+* **Peak memory**: each arm in a fresh subprocess. The data and batches are made first and the
+  arm runs a few throwaway steps (on the model itself, on a tiny one of the same kind for the
+  ≥50M model), so that the code it executes is paged in (a code page first touched by an arm
+  would count as its memory); freed heap goes back to the system (``malloc_trim``); then the
+  peak resident set size is reset (``/proc/self/clear_refs``) and the RSS read as the baseline; the model, optimizer and trainer are built and ``--memory-steps`` steps run; the
   arm's training memory is the peak (``VmHWM``) minus the baseline. RSS is what a user meets
   (every allocation the process touches, Python objects and allocator slack included); a
   snapshot written to a file sits in the kernel's page cache, reclaimable once written back, and
@@ -212,6 +214,30 @@ def _plain_state_bytes(model: nn.Module, optimizer_state: dict) -> dict[str, int
     return dict(params=params, grads=grads, optimizer_state=opt)
 
 
+WARM_UP_STEPS = 60  # past the trainer's WARMUP phase into recording, so those code paths run too
+
+
+def warm_up_code(workload: Workload, arm: str, device: torch.device) -> None:
+    """Run ``arm`` for a few steps and throw it away: the code a long run executes (torch's
+    kernels, the trainer's) is then paged in before the baseline, as it is in any long run; a
+    resident code page would otherwise count as training memory of whichever arm first ran it."""
+    step, trainer, model = _arm_step(arm, workload, device)
+    for i in range(WARM_UP_STEPS):
+        step(workload.batches[i % len(workload.batches)])
+    del step, trainer, model
+
+
+def _return_free_heap() -> None:
+    """Give the heap's free pages back to the system (glibc ``malloc_trim``), so that memory the
+    warm-up freed is not reused by the measured arm without showing in its peak."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the warm-up's freed heap stays counted in the baseline
+        pass
+
+
 def memory_child(model_name: str, arm: str, device_name: str, steps: int, n_batches: int, time_steps: int) -> dict:
     """Run in a fresh process: peak training memory of one arm (and, for the big model, its step times)."""
     from hybrid_trainer.footprint import trainer_tensor_bytes
@@ -219,7 +245,9 @@ def memory_child(model_name: str, arm: str, device_name: str, steps: int, n_batc
     torch.set_num_threads(1)
     device = torch.device(device_name)
     workload = make_workload(model_name, n_batches, device)
+    warm_up_code(workload if model_name != "mlp-50m" else make_workload("tiny", 8, device), arm, device)
     gc.collect()
+    _return_free_heap()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
