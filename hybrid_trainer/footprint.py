@@ -64,6 +64,7 @@ def trainer_tensor_bytes(trainer: Any, max_depth: int = 8) -> dict[str, Any]:
     plain = _plain_loop_storages(trainer)
     seen_storages: set[int] = set()
     seen_objects: set[int] = set()
+    alive: list[Any] = []
     by_device: Counter[str] = Counter()
     by_holder: Counter[str] = Counter()
 
@@ -80,6 +81,7 @@ def trainer_tensor_bytes(trainer: Any, max_depth: int = 8) -> dict[str, Any]:
         if depth > max_depth or id(obj) in seen_objects or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
             return
         seen_objects.add(id(obj))
+        alive.append(obj)  # an id is unique only while its object lives (temporary lists here)
         if isinstance(obj, dict):
             for value in obj.values():
                 visit(value, holder, depth + 1)
