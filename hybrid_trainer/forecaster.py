@@ -45,6 +45,23 @@ class StateForecaster:
                                        batch=config.dynamics_batch, seed=config.seed, device=device)
                          if config.predict else None)
         self.forecast: dict[str, torch.Tensor] | None = None
+        self._released_report: tuple[dict[int, float], int] = ({}, 0)  # the model's last figures, once freed
+
+    def error_report(self) -> dict[int, float]:
+        """The dynamics model's realised error by horizon (its last one once released)."""
+        return self._released_report[0] if self.dynamics is None else self.dynamics.error_report()
+
+    @property
+    def train_steps(self) -> int:
+        return self._released_report[1] if self.dynamics is None else self.dynamics.train_steps
+
+    def release(self) -> None:
+        """Prediction is off for the rest of the run: free the dynamics model (its networks,
+        their Adam state, the replay), keeping the figures the run's statistics report."""
+        if self.dynamics is not None:
+            self._released_report = (self.dynamics.error_report(), self.dynamics.train_steps)
+            self.dynamics = None
+        self.forecast = None
 
     def observe(self, phase: Phase, step: int, real_steps: int, loss: float, grad_norm: float | None,
                 update_norm: float | None, lr: float, optimizer: torch.optim.Optimizer) -> None:

@@ -172,8 +172,9 @@ class HybridTrainer:
             self.predict_phase.end_phase()
             if self.offloader is not None:
                 self.offloader.prefetch()  # overlaps the copy back with whatever the caller does next
-        if not self.controller.prediction_enabled and self.predictor.allocated:
+        if not self.controller.prediction_enabled and (self.predictor.allocated or self.forecaster.dynamics is not None):
             self.predict_phase.release()  # off for good: what only prediction used goes
+            self.forecaster.release()
         if self.profiler is not None:
             self.profiler.snapshot(result.step, phase.value)
         if self.vram_guard is not None:
@@ -411,8 +412,8 @@ class HybridTrainer:
             if self.stats.verifications else None,
             prediction_enabled=self.controller.prediction_enabled,
             prediction_disabled_reason=self.controller.disabled_reason,
-            dynamics_error_by_horizon={} if self.dynamics is None else self.dynamics.error_report(),
-            dynamics_train_steps=0 if self.dynamics is None else self.dynamics.train_steps,
+            dynamics_error_by_horizon=self.forecaster.error_report(),
+            dynamics_train_steps=self.forecaster.train_steps,
             loss_noise_std=self.loss_trend.noise_std,
             divergence_events=dict(self.monitor.counts),
             predicted_scale_mean=float(self.predictor.scales.mean()),

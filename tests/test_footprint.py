@@ -80,4 +80,5 @@ def test_prediction_buffers_exist_only_while_prediction_can_run(stream):
         t.controller.disabled_reason = "switched off by the test"
     _run(trainers, stream, 1, start=30)
     assert not any(t.predictor.allocated for t in trainers)
+    assert all(t.dynamics is None for t in trainers)  # the forecaster's model goes too
     assert _slope(trainers) < 0.05
