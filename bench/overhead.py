@@ -212,6 +212,61 @@ def time_interleaved(workload: Workload, device: torch.device, warmup: int, step
     return out
 
 
+# ============================================================================== breakdown ====
+BREAKDOWN_PARTS = {  # label: (object path from the trainer, method)
+    "gradient norm (guard)": ("guard", "grad_norm"),
+    "read loss and norm (guard)": ("guard", "read_loss_and_norm"),
+    "divergence check (guard)": ("guard", "check"),
+    "accept: monitor + good state (guard)": ("guard", "accept"),
+    "good-state snapshot (inside accept)": ("guard.good_state", "save"),
+    "forecaster.observe": ("forecaster", "observe"),
+    "loss trend": ("loss_trend", "update"),
+    "controller.advance": ("controller", "advance"),
+}
+
+
+def breakdown(workload: Workload, arm: str, device: torch.device, warmup: int, steps: int) -> dict[str, Any]:
+    """Where one arm's step time goes: the model's forward (``loss_fn``), ``backward`` and the
+    optimizer step, timed by wrapping them, the trainer's own parts likewise; ``own_us`` is the
+    step minus forward, backward and optimizer, i.e. everything the trainer adds. Mean µs per
+    step over ``steps`` steps (each wrapper adds well under a µs)."""
+    step, trainer, _ = _arm_step(arm, workload, device)
+    spent: dict[str, float] = {}
+
+    def timed(label: str, fn):
+        def wrapper(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[label] = spent.get(label, 0.0) + time.perf_counter() - started
+        return wrapper
+
+    trainer.loss_fn = timed("model forward", trainer.loss_fn)
+    trainer.optimizer.step = timed("optimizer step", trainer.optimizer.step)
+    for label, (path, method) in BREAKDOWN_PARTS.items():
+        owner = trainer
+        for name in path.split("."):
+            owner = getattr(owner, name)
+        setattr(owner, method, timed(label, getattr(owner, method)))
+    backward = torch.Tensor.backward
+    torch.Tensor.backward = timed("backward", backward)
+    try:
+        n = len(workload.batches)
+        for i in range(warmup):
+            step(workload.batches[i % n])
+        spent.clear()
+        started = time.perf_counter()
+        for i in range(steps):
+            step(workload.batches[(warmup + i) % n])
+        total = time.perf_counter() - started
+    finally:
+        torch.Tensor.backward = backward
+    per_step = {label: 1e6 * s / steps for label, s in sorted(spent.items(), key=lambda kv: -kv[1])}
+    core = sum(per_step.get(k, 0.0) for k in ("model forward", "backward", "optimizer step"))
+    return dict(arm=arm, steps=steps, step_us=1e6 * total / steps, own_us=1e6 * total / steps - core, parts_us=per_step)
+
+
 # ================================================================================= memory ====
 def _rss_bytes() -> int:
     return int(re.search(r"VmRSS:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
@@ -352,6 +407,15 @@ def markdown(results: dict[str, Any]) -> str:
                          f"{fmt(c.get('overhead_us'), '+.0f')} | {fmt(c.get('time_ratio'), '.3f')} | "
                          f"{fmt(c.get('real_step_ratio'), '.3f')} | {_mb((a.get('memory') or {}).get('training_bytes'))} | "
                          f"{fmt(c.get('memory_ratio'), '.3f')} | {_mb(c.get('extra_bytes'))} | {_mb(held)} |")
+    for model, r in results["models"].items():
+        b = r.get("breakdown")
+        if b:
+            parts = ", ".join(f"{k} {v:.1f}" for k, v in b["parts_us"].items())
+            lines.append(f"- {model} / {b['arm']}: step {b['step_us']:.0f} µs, of which the trainer's own "
+                         f"{b['own_us']:.0f} µs (step minus forward, backward and optimizer); µs per step: {parts}")
+    if any(r.get("breakdown") for r in results["models"].values()):
+        lines.insert(len(lines) - sum(1 for r in results["models"].values() if r.get("breakdown")),
+                     "\nWhere a step's time goes (each part timed by wrapping it, one arm alone):\n")
     lines += ["", "Trainer tensors: bytes the trainer holds in tensors beyond the model, its gradients and the "
               "optimizer state, at the end of the memory run (`hybrid_trainer.footprint`), by holder:", ""]
     for model, r in results["models"].items():
@@ -374,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk", type=int, default=10, help="steps per arm per interleaving round")
     parser.add_argument("--memory-steps", type=int, default=None, help="steps per memory run (fresh process)")
     parser.add_argument("--batches", type=int, default=64, help="distinct batches, cycled")
+    parser.add_argument("--breakdown-steps", type=int, default=None,
+                        help="steps of the predict=False arm timed part by part (models under 5M parameters; 0: none)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results")
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "ARM"), help=argparse.SUPPRESS)
     parser.add_argument("--child-time-steps", type=int, default=0, help=argparse.SUPPRESS)
@@ -407,6 +473,9 @@ def main(argv: list[str] | None = None) -> int:
             with tqdm(total=-(-steps // args.chunk), desc=f"{name}: time", leave=False) as bar:
                 for arm, t in time_interleaved(workload, device, warmup, steps, args.chunk, bar).items():
                     entry["arms"][arm]["time"] = t
+            parts_steps = args.breakdown_steps if args.breakdown_steps is not None else (10 if args.quick else 300)
+            if parts_steps:
+                entry["breakdown"] = breakdown(workload, "predict=False", device, warmup, parts_steps)
         del workload
         gc.collect()
         big_memory_steps = min(memory_steps, 60) if big else memory_steps

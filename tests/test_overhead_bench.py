@@ -33,5 +33,9 @@ def test_quick_run_reports_every_arm_with_ratios_from_its_measurements(tmp_path)
         assert c["memory_ratio"] == pytest.approx(arm["memory"]["training_bytes"] / plain["memory"]["training_bytes"])
         assert c["extra_bytes"] == arm["memory"]["training_bytes"] - plain["memory"]["training_bytes"]
         assert arm["memory"]["trainer_tensor_bytes"]["total"] >= 0
+    parts = results["models"]["tiny"]["breakdown"]
+    assert parts["arm"] == "predict=False" and parts["parts_us"]["gradient norm (guard)"] > 0
+    assert parts["own_us"] == pytest.approx(parts["step_us"] - sum(
+        parts["parts_us"][k] for k in ("model forward", "backward", "optimizer step")))
     table = (tmp_path / "overhead_quick.md").read_text()
     assert "| tiny |" in table and "| weight_average |" in table
