@@ -387,6 +387,10 @@ def _mb(n: float | None) -> str:
 
 
 def markdown(results: dict[str, Any]) -> str:
+    runs = {json.dumps(r["run"], sort_keys=True) for r in results["models"].values() if "run" in r}
+    if len(runs) > 1:  # merged from several invocations: say which model came from which
+        results = dict(results, command="; ".join(sorted({r["run"]["command"] for r in results["models"].values()
+                                                           if "run" in r})))
     lines = [f"Trainer overhead over the plain AdamW loop, `{results['command']}` ({results['date']}, commit "
              f"{(results['git']['commit'] or '?')[:10]}{' + uncommitted changes' if results['git']['dirty'] else ''}, "
              f"torch {results['torch']}, {results['device']}, {results['threads']} thread(s)).", "",
@@ -397,6 +401,10 @@ def markdown(results: dict[str, Any]) -> str:
              "| model | params | arm | step (µs) | overhead (µs) | ratio | real-step ratio | peak (MB) | "
              "memory ratio | extra (MB) | trainer tensors (MB) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    if len(runs) > 1:
+        lines[1:1] = ["Runs: " + "; ".join(f"{m}: `{r['run']['command']}` at {r['run']['date']}, commit "
+                                           f"{(r['run']['git']['commit'] or '?')[:10]}"
+                                           for m, r in results["models"].items() if "run" in r), ""]
     for model, r in results["models"].items():
         for arm, a in r["arms"].items():
             c = a.get("vs_plain", {})
@@ -440,6 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, default=64, help="distinct batches, cycled")
     parser.add_argument("--breakdown-steps", type=int, default=None,
                         help="steps of the predict=False arm timed part by part (models under 5M parameters; 0: none)")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the other models of an existing results file (each model records its own run)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results")
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "ARM"), help=argparse.SUPPRESS)
     parser.add_argument("--child-time-steps", type=int, default=0, help=argparse.SUPPRESS)
@@ -489,10 +499,15 @@ def main(argv: list[str] | None = None) -> int:
         for arm, a in entry["arms"].items():
             if arm != "plain":
                 a["vs_plain"] = compare(plain, a)
+        entry["run"] = dict(command=results["command"], date=results["date"], git=results["git"])
         results["models"][name] = entry
         print(markdown(dict(results, models={name: entry})), flush=True)
     suffix = ("_quick" if args.quick else "") + ("" if device.type == "cpu" else f"_{device.type}")
     args.out.mkdir(parents=True, exist_ok=True)
+    existing = args.out / f"overhead{suffix}.json"
+    if args.merge and existing.exists():
+        kept = {k: v for k, v in json.loads(existing.read_text())["models"].items() if k not in results["models"]}
+        results["models"] = {**kept, **results["models"]}
     (args.out / f"overhead{suffix}.json").write_text(json.dumps(results, indent=1))
     (args.out / f"overhead{suffix}.md").write_text(markdown(results))
     print(f"wrote {args.out}/overhead{suffix}.json and .md")
