@@ -2,7 +2,9 @@
 
 It owns the prediction buffers (the :class:`~hybrid_trainer.predictor.DeltaPredictor`'s update
 history and the :class:`~hybrid_trainer.anchor.WeightAnchor` at the last verified point, both
-made in :meth:`PredictPhase.retarget` only), the state of the PREDICT phase in progress (its
+made in :meth:`PredictPhase.retarget` only, holding memory only while they can serve: the
+predictor's buffers from its first recorded step, the anchor during a phase, both freed by
+:meth:`PredictPhase.release` once prediction is off for good), the state of the PREDICT phase in progress (its
 base loss, last verified loss, unverified steps), each predicted step with its verification
 (:func:`~hybrid_trainer.verifier.verify`), the rollback when one fails or an error interrupts
 the phase, and the bandit's reward at the end of a phase.
@@ -54,6 +56,17 @@ class PredictPhase:
                                         cfg.scale_beta, cfg.scale_max)
         # Buffers (e.g. batch-norm statistics): the verification forwards change them too.
         self.anchor = WeightAnchor(params, buffers=buffers)
+
+    def end_phase(self) -> None:
+        """The PREDICT phase is over: its anchor's copy of the weights goes (taken again at the
+        next phase's first step). During a phase no gradients exist, so the anchor stays under a
+        real step's peak; between phases it would only add to it."""
+        self.anchor.release()
+
+    def release(self) -> None:
+        """Prediction is off for the rest of the run: free the update direction and the anchor."""
+        self.predictor.release()
+        self.anchor.release()
 
     def abort(self) -> int:
         """Undo the predicted steps not verified yet (the weights go back to the last verified

@@ -45,6 +45,7 @@ from .metrics import MetricsLogger, plot_run
 from .offload import StateOffloader
 from .phases import Phase, PhaseController
 from .predict_phase import PredictPhase
+from .predictor import DeltaPredictor
 from .run_report import RunStatistics, StepResult, format_summary
 from .setup_checks import (check_arguments, check_ddp_trains_only_its_module, check_dense, check_predictable,
                            check_scheduler, check_train_mode)
@@ -88,7 +89,7 @@ class HybridTrainer:
         check_ddp_trains_only_its_module(self.ranks, self.trained.outside_model)
         # Output paths decide nothing (and rank 0 alone writes the metrics): they may differ.
         self.ranks.check_same("config", {k: v for k, v in config.to_dict().items()
-                                         if k not in ("metrics_path", "emergency_checkpoint_path")})
+                                         if k not in ("metrics_path", "emergency_checkpoint_path", "snapshot_dir")})
 
         self.controller = PhaseController(config)
         self.loss_trend = LossTrend()
@@ -167,8 +168,13 @@ class HybridTrainer:
             # Once prediction is off for the run the controller never reads the margin again.
             margin = self.worth.margin() if self.controller.prediction_enabled else None
             self.controller.advance(self._confidence, worth_margin=margin)
-        if phase is Phase.PREDICT and self.controller.phase is not Phase.PREDICT and self.offloader is not None:
-            self.offloader.prefetch()  # overlaps the copy back with whatever the caller does next
+        if phase is Phase.PREDICT and self.controller.phase is not Phase.PREDICT:
+            self.predict_phase.end_phase()
+            if self.offloader is not None:
+                self.offloader.prefetch()  # overlaps the copy back with whatever the caller does next
+        if not self.controller.prediction_enabled and (self.predictor.allocated or self.forecaster.dynamics is not None):
+            self.predict_phase.release()  # off for good: what only prediction used goes
+            self.forecaster.release()
         if self.profiler is not None:
             self.profiler.snapshot(result.step, phase.value)
         if self.vram_guard is not None:
@@ -406,8 +412,8 @@ class HybridTrainer:
             if self.stats.verifications else None,
             prediction_enabled=self.controller.prediction_enabled,
             prediction_disabled_reason=self.controller.disabled_reason,
-            dynamics_error_by_horizon=self.dynamics.error_report(),
-            dynamics_train_steps=self.dynamics.train_steps,
+            dynamics_error_by_horizon=self.forecaster.error_report(),
+            dynamics_train_steps=self.forecaster.train_steps,
             loss_noise_std=self.loss_trend.noise_std,
             divergence_events=dict(self.monitor.counts),
             predicted_scale_mean=float(self.predictor.scales.mean()),
@@ -485,7 +491,7 @@ class HybridTrainer:
             raise ValueError(f"checkpoint version {state.get('version')!r} is not {CHECKPOINT_VERSION} "
                              f"(nor 1, which still loads)")
         # Checked before anything loads: the predictor and snapshots hold one slot per trained tensor.
-        saved = (len(state["predictor"]["scales"]), state["predictor"]["ema"].numel())
+        saved = (len(state["predictor"]["scales"]), DeltaPredictor.saved_numel(state["predictor"]))
         here = (len(self.params), sum(p.numel() for p in self.params))
         if saved != here:
             raise ValueError(f"checkpoint: saved by a trainer training {saved[0]} parameter tensors ({saved[1]} "
