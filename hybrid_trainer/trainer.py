@@ -45,10 +45,10 @@ from .metrics import MetricsLogger, plot_run
 from .offload import StateOffloader
 from .phases import Phase, PhaseController
 from .predict_phase import PredictPhase
-from .run_report import RunStatistics, StepResult, format_summary
+from .run_report import RunStatistics, StepResult, format_summary, run_statistics
 from .setup_checks import (check_arguments, check_ddp_trains_only_its_module, check_dense, check_predictable,
                            check_scheduler, check_train_mode)
-from .state_registry import CHECKPOINT_VERSION, StateRegistry, rng_of_rank, upgrade_v1, without_ddp_prefix
+from .state_registry import CHECKPOINT_VERSION, rng_of_rank, trainer_registry, upgrade_v1
 from .step_guard import StepGuard
 from .trained_set import TrainedSet
 from .verifier import LossTrend
@@ -118,7 +118,7 @@ class HybridTrainer:
 
         self.step_count = 0
         self._last_update_cosine = float("nan")
-        self.registry = self._registry()
+        self.registry = trainer_registry(self)
 
     # Collaborators' parts that users, benchmarks and tests read from the trainer.
     params = property(lambda self: self.trained.params, doc="Every tensor trained now (model's first).")
@@ -394,87 +394,17 @@ class HybridTrainer:
         plot_run(self.config.metrics_path, path, title=title)
 
     def statistics(self) -> dict[str, Any]:
-        """Counters of the run so far (plain Python types)."""
-        s = asdict(self.stats)
-        real_steps = s["steps_by_phase"]["WARMUP"] + s["steps_by_phase"]["FULL"] + s["steps_by_phase"]["CORRECT"]
-        s.update(
-            steps=self.step_count,
-            real_steps=real_steps,
-            backward_passes_saved=self.stats.predicted_steps * self.config.grad_accumulation,
-            backward_saved_fraction=(self.stats.predicted_steps / self.step_count) if self.step_count else 0.0,
-            acceptance_rate=(self.stats.verifications_accepted / self.stats.verifications)
-            if self.stats.verifications else None,
-            prediction_enabled=self.controller.prediction_enabled,
-            prediction_disabled_reason=self.controller.disabled_reason,
-            dynamics_error_by_horizon=self.dynamics.error_report(),
-            dynamics_train_steps=self.dynamics.train_steps,
-            loss_noise_std=self.loss_trend.noise_std,
-            divergence_events=dict(self.monitor.counts),
-            predicted_scale_mean=float(self.predictor.scales.mean()),
-            last_update_cosine=self._last_update_cosine,
-            predicted_step_worth=self.worth.predicted_worth,
-            required_worth=self.required_worth(),
-            prediction_overhead=None if self.cost is None else self.cost.overhead,
-        )
-        return s
+        """Counters of the run so far (plain Python types; :func:`~hybrid_trainer.run_report.run_statistics`)."""
+        return run_statistics(self)
 
     def summary(self) -> str:
         """A short human-readable report of the run."""
         return format_summary(self.statistics())
 
     # =========================================================================== checkpoint ====
-    def _registry(self) -> StateRegistry:
-        """Every stateful part of the run, in the order it is restored (weights before the
-        optimizer, snapshots after the weights, random streams last)."""
-        reg = StateRegistry()
-        reg.register("version", lambda: CHECKPOINT_VERSION, lambda v: None)  # checked in load_state_dict
-        reg.register("config", self.config.to_dict, lambda v: None)  # for the reader: this run's config decides
-        # The wrapped module's own keys: a DDP run resumes in a single process and back.
-        reg.register("model", lambda: unwrap(self.model).state_dict(), self._load_model)
-        reg.register("outside_model", lambda: [p.detach().clone() for p in self.trained.outside_model],
-                     self._load_outside_model)
-        reg.register_component("optimizer", lambda: self.optimizer)
-        reg.register_component("scheduler", lambda: self.scheduler)
-        reg.register_component("scaler", lambda: self.scaler)
-        reg.register_component("predictor", lambda: self.predictor)
-        reg.register_component("anchor", lambda: self.anchor)
-        reg.register_component("good_state", lambda: self.guard.good_state)
-        # Saved without one: the average starts at the loaded weights.
-        reg.register_component("weight_average", lambda: self.weight_average,
-                               on_missing=lambda: setattr(self, "weight_average", WeightAverage(self.params)))
-        reg.register_component("history", lambda: self.forecaster.history)
-        reg.register_component("normalizer", lambda: self.forecaster.normalizer)
-        reg.register_component("dynamics", lambda: self.forecaster.dynamics, full=True)
-        reg.register_component("monitor", lambda: self.guard.monitor)
-        reg.register_component("controller", lambda: self.controller)
-        reg.register_component("loss_trend", lambda: self.loss_trend)
-        reg.register_component("cost", lambda: self.worth.cost)
-        reg.register("stats", lambda: asdict(self.stats), self.stats.load_state_dict)
-        reg.register_component("worth", lambda: self.worth)
-        reg.register("forecast", lambda: self.forecaster.forecast, lambda v: setattr(self.forecaster, "forecast", v))
-        reg.register_component("predict_phase", lambda: self.predict_phase)
-        reg.register("trainer", self._loop_state, self._load_loop_state)
-        reg.register("rng", checkpoint.capture_rng, lambda v: None)  # restored by load_state_dict, per rank
-        return reg
-
-    def _loop_state(self) -> dict[str, Any]:
-        return {"step_count": self.step_count, "last_update_cosine": self._last_update_cosine}
-
-    def _load_loop_state(self, state: dict[str, Any]) -> None:
-        self.step_count, self._last_update_cosine = state["step_count"], state["last_update_cosine"]
-
-    def _load_model(self, weights: dict[str, Any]) -> None:
-        module = unwrap(self.model)
-        module.load_state_dict(without_ddp_prefix(weights, module))
-
-    def _load_outside_model(self, values: list[torch.Tensor]) -> None:
-        with torch.no_grad():
-            for p, saved in zip(self.trained.outside_model, values):
-                p.copy_(saved)
-
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume exactly: the state of every part registered in
-        :meth:`_registry` (model, optimizer, scheduler, predictor, snapshots, dynamics model,
+        :func:`~hybrid_trainer.state_registry.trainer_registry` (model, optimizer, scheduler, predictor, snapshots, dynamics model,
         histories, controller, monitors, counters, RNG), one key each."""
         return self.registry.state_dict()
 
