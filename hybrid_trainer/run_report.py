@@ -24,7 +24,11 @@ class StepResult:
     skipped: bool = False  # a real step whose update was refused (non-finite or divergent)
     divergence: str = "OK"
     grad_norm: float | None = None
+    # Learning rate of the optimizer's first param group (under a CombinedOptimizer: its first
+    # part's first group), as before ``lrs`` existed; ``lrs``: every group's, in
+    # ``optimizer.param_groups`` order. Both None on predicted steps (no optimizer step).
     lr: float | None = None
+    lrs: tuple[float, ...] | None = None
     confidence: float | None = None
     wall_time_s: float = 0.0
 

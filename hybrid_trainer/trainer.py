@@ -298,7 +298,8 @@ class HybridTrainer:
             self.stats.backward_passes += 1
         self.stats.forward_passes += len(micro)
         loss_sum = mean_loss.wait()
-        lr = float(self.optimizer.param_groups[0]["lr"])
+        lrs = tuple([float(group["lr"]) for group in self.optimizer.param_groups])
+        lr = lrs[0]
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         norm = guard.grad_norm()
@@ -316,7 +317,7 @@ class HybridTrainer:
             return StepResult(step=self.step_count, phase=phase.value, loss=total if math.isfinite(total) else None,
                               backward_done=self.stats.backward_passes > 0 and math.isfinite(total), skipped=True,
                               rolled_back=rolled_back, divergence="; ".join(report.reasons) or report.severity.name,
-                              grad_norm=grad_norm, lr=lr)
+                              grad_norm=grad_norm, lr=lr, lrs=lrs)
 
         predictor = self.predict_phase.predictor  # not the property: one call less per step
         if record:
@@ -356,7 +357,7 @@ class HybridTrainer:
         if record:
             worth.time("core", worth.clock("core") - started - worth.machinery_s)
         return StepResult(step=self.step_count, phase=phase.value, loss=total, backward_done=True,
-                          divergence=report.severity.name, grad_norm=grad_norm, lr=lr)
+                          divergence=report.severity.name, grad_norm=grad_norm, lr=lr, lrs=lrs)
 
     def _verification_loss(self, batch: Any) -> tuple[float, int]:
         """Mean loss of ``batch`` without gradients, averaged over ranks (the verdict must be the
