@@ -39,6 +39,7 @@ from .anchor import buffer_slots
 from .averaging import WeightAverage
 from .config import HybridConfig
 from .distributed import RankSync, unwrap
+from .events import Events, TrainedSetChange
 from .forecaster import StateForecaster
 from .memory import MemoryProfiler, VRAMGuard, default_reader
 from .metrics import MetricsLogger, plot_run
@@ -69,11 +70,17 @@ class HybridTrainer:
         loss_fn: ``loss_fn(model, batch) -> 0-d tensor`` (see module docstring).
         config: :class:`HybridConfig` (defaults if None).
         scheduler: optional LR scheduler, stepped after each real optimizer step.
+        callbacks: objects whose hooks (``on_step_end``, ``on_phase_change``, ``on_rollback``, ...:
+            :mod:`hybrid_trainer.events`) run at the end of each step that has their event.
+
+    The trainer logs its events (phase changes, rollbacks, refused updates, checkpoints)
+    through the ``hybrid_trainer`` logger. It holds an open file when ``metrics_path`` is set:
+    :meth:`close` it, or use the trainer as a context manager.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], config: HybridConfig | None = None,
-                 scheduler: Any | None = None):
+                 scheduler: Any | None = None, callbacks: Sequence[Any] | None = None):
         config = check_arguments(model, optimizer, loss_fn, config)
         check_scheduler(scheduler, optimizer)
         self.model, self.optimizer, self.loss_fn, self.config, self.scheduler = model, optimizer, loss_fn, config, scheduler
@@ -89,6 +96,7 @@ class HybridTrainer:
         # Output paths decide nothing (and rank 0 alone writes the metrics): they may differ.
         self.ranks.check_same("config", {k: v for k, v in config.to_dict().items()
                                          if k not in ("metrics_path", "emergency_checkpoint_path")})
+        self.events = Events(callbacks)  # callbacks checked before any file is opened
 
         self.controller = PhaseController(config)
         self.loss_trend = LossTrend()
@@ -142,6 +150,7 @@ class HybridTrainer:
         accumulation is configured). Returns a :class:`StepResult`."""
         started = time.perf_counter()
         check_train_mode(self.optimizer)
+        disabled_before = self.controller.disabled_reason
         if self.trained.changed():
             self._follow_trainable_change()
         phase = self.controller.phase
@@ -153,11 +162,11 @@ class HybridTrainer:
             else:
                 self._state_home()
                 result = self._real_step(batch, phase)
-        except BaseException:
+        except BaseException as error:
             # An error or interrupt mid-PREDICT must not leave unverified predicted deltas in the
             # weights the user goes on to save: go back to the last verified point first.
             if phase is Phase.PREDICT:
-                self.predict_phase.abort()
+                self.events.interrupted(self.step_count, self.predict_phase.abort(), error)
             raise
         result.wall_time_s = time.perf_counter() - started
         self.stats.steps_by_phase[phase.value] += 1
@@ -174,6 +183,13 @@ class HybridTrainer:
         if self.vram_guard is not None:
             self.vram_guard.check(result.step)
         self._log(result)
+        # Events are rare: a few compares tell that none happened. Hooks run last, so one that
+        # raises finds the step done and counted.
+        ctl, events = self.controller, self.events
+        if result.skipped or result.rolled_back or ctl.phase is not phase or ctl.disabled_reason is not disabled_before:
+            events.after_step(self, result, phase, disabled_before)
+        if events.pending or events.step_end:
+            events.dispatch(self, result)
         return result
 
     def _confidence(self, horizon: int) -> float:
@@ -210,14 +226,18 @@ class HybridTrainer:
         if not params:
             raise ValueError("optimizer: no tensor trains any more (every parameter frozen)")
         check_predictable(self.config, self.model, params)
-        if self.controller.phase is Phase.PREDICT:
-            # Predicted for the old set: only verified steps stay.
-            self.stats.predicted_steps_rolled_back += self.predict_phase.abort()
+        before, old_phase, undone = self.params, self.controller.phase, 0
+        if old_phase is Phase.PREDICT:
+            undone = self.predict_phase.abort()  # predicted for the old set: only verified steps stay
+            self.stats.predicted_steps_rolled_back += undone
         self._state_home()
         self._track(params, outside)
         self.worth.forget()  # measured along the old direction
         self.controller.force_full()
         self.stats.trained_set_changes += 1
+        change = TrainedSetChange(self.step_count, len(before), len(params), sum(p.numel() for p in before),
+                                  sum(p.numel() for p in params))
+        self.events.trained_set_changed(change, undone, old_phase, self.controller.phase, self.controller.length)
 
     # ------------------------------------------------------------------- memory helpers ----
     def _state_home(self) -> None:
@@ -234,10 +254,12 @@ class HybridTrainer:
         if self.ranks.active:
             # Memory pressure is one rank's own: nothing collective may run here, so each rank
             # that hits it writes its own file (the weights are the same on every rank).
+            path = f"{path}.rank{self.ranks.rank}"
             self._state_home()
-            checkpoint.atomic_save(self.state_dict(), f"{path}.rank{self.ranks.rank}")
+            checkpoint.atomic_save(self.state_dict(), path)
         else:
-            self.save(path)
+            self._write_checkpoint(path)
+        self.events.saved(path, self.step_count, wrote=True, emergency=True)  # its hooks run at the step's end
 
     def _micro_batches(self, batch: Any) -> Sequence[Any]:
         k = self.config.grad_accumulation
@@ -430,6 +452,11 @@ class HybridTrainer:
 
         Under DDP every rank must call it (it is collective): rank 0 writes one file holding the
         shared state and every rank's random streams, and all ranks return once it exists."""
+        self._write_checkpoint(path)
+        self.events.saved(path, self.step_count, wrote=self.ranks.is_writer)
+        self.events.dispatch(self, after=f"trainer.save({str(path)!r}) had completed")
+
+    def _write_checkpoint(self, path) -> None:
         self._state_home()
         state = self.state_dict()
         if self.ranks.active:
@@ -443,3 +470,17 @@ class HybridTrainer:
         # sampler's) are restored only from CPU byte tensors, forecasts live on the CPU, and every
         # loader copies what it restores onto its own tensors' device (this rank's GPU).
         self.load_state_dict(checkpoint.load(path, map_location="cpu"))
+        self.events.loaded(path, self.step_count)
+        self.events.dispatch(self, after=f"trainer.load({str(path)!r}) had completed")
+
+    # ============================================================================= outputs ====
+    def close(self) -> None:
+        """Flush and close the files the trainer writes (JSONL metrics); idempotent. Call it when training is done (or use ``with HybridTrainer(...) as trainer``)."""
+        if self.metrics is not None:
+            self.metrics.close()
+
+    def __enter__(self) -> HybridTrainer:
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        self.close()
