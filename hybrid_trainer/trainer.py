@@ -74,8 +74,8 @@ class HybridTrainer:
             :mod:`hybrid_trainer.events`) run at the end of each step that has their event.
 
     The trainer logs its events (phase changes, rollbacks, refused updates, checkpoints)
-    through the ``hybrid_trainer`` logger. It holds an open file when ``metrics_path`` is set:
-    :meth:`close` it, or use the trainer as a context manager.
+    through the ``hybrid_trainer`` logger. It holds open files when ``metrics_path`` or
+    ``tensorboard_dir`` is set: :meth:`close` them, or use it as a context manager.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -95,7 +95,7 @@ class HybridTrainer:
         check_ddp_trains_only_its_module(self.ranks, self.trained.outside_model)
         # Output paths decide nothing (and rank 0 alone writes the metrics): they may differ.
         self.ranks.check_same("config", {k: v for k, v in config.to_dict().items()
-                                         if k not in ("metrics_path", "emergency_checkpoint_path")})
+                                         if k not in ("metrics_path", "emergency_checkpoint_path", "tensorboard_dir")})
         self.events = Events(callbacks)  # callbacks checked before any file is opened
 
         self.controller = PhaseController(config)
@@ -115,6 +115,12 @@ class HybridTrainer:
         # Under DDP the records agree on every rank (losses are averaged), so rank 0 writes them.
         self.metrics = (MetricsLogger(config.metrics_path, keep_records=False)
                         if config.metrics_path is not None and self.ranks.is_writer else None)
+        self.tensorboard = None
+        if config.tensorboard_dir is not None and self.ranks.is_writer:
+            from .tensorboard_writer import TensorBoardWriter  # the tensorboard package is an optional extra
+            self.tensorboard = TensorBoardWriter(config.tensorboard_dir)
+            # Ahead of the user's hooks: a step one of them raises after is in the event file too.
+            self.events = Events([self.tensorboard, *(callbacks or ())])
 
         reader = default_reader(self.device) if (config.memory_profile or config.vram_critical is not None) else None
         self.profiler = (MemoryProfiler(reader, self.device, spike_threshold=config.memory_spike_threshold,
@@ -475,9 +481,12 @@ class HybridTrainer:
 
     # ============================================================================= outputs ====
     def close(self) -> None:
-        """Flush and close the files the trainer writes (JSONL metrics); idempotent. Call it when training is done (or use ``with HybridTrainer(...) as trainer``)."""
+        """Flush and close the files the trainer writes (JSONL metrics, TensorBoard event file);
+        idempotent. Call it when training is done (or use ``with HybridTrainer(...) as trainer``)."""
         if self.metrics is not None:
             self.metrics.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
     def __enter__(self) -> HybridTrainer:
         return self

@@ -313,6 +313,49 @@ def test_step_result_lrs_of_a_plain_optimizer_and_predicted_steps(stream):
     assert predicted and all(r.lrs is None and r.lr is None for r in predicted)
 
 
+def test_tensorboard_writes_every_steps_scalars(stream, tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log_dir = tmp_path / "tb"
+    recorder = Recorder()
+    with make([recorder], **ALWAYS, tensorboard_dir=str(log_dir)) as trainer:
+        results = [trainer.step(b) for b in stream[:40]]
+        stats = trainer.statistics()
+    assert recorder.of("step_end") == [(i, i + 1) for i in range(40)]  # the user's hooks run beside it
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    scalars = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+    def approx(pairs):
+        return [(step, pytest.approx(value, rel=1e-6)) for step, value in pairs]
+
+    train = [(r.step, r.loss) for r in results if r.backward_done and r.loss is not None]
+    verification = [(r.step, r.loss) for r in results if r.verified]
+    assert verification, "the run had no verified predicted step"
+    assert scalars["loss/train"] == approx(train)
+    assert scalars["loss/verification"] == approx(verification)
+    assert scalars["loss/expected"] == approx([(r.step, r.predicted_loss) for r in results if r.verified])
+    assert scalars["lr/group0"] == approx([(r.step, r.lr) for r in results if r.lrs is not None])
+    assert scalars["grad_norm"] == approx([(r.step, r.grad_norm) for r in results if r.grad_norm is not None])
+    assert scalars["phase"] == [(r.step, float(Phase(r.phase).code)) for r in results]
+    assert [v for _, v in scalars["steps/predicted"]][-1] == stats["predicted_steps"] > 0
+    assert [v for _, v in scalars["steps/verifications"]][-1] == stats["verifications"] > 0
+    assert [s for s, _ in scalars["steps/predicted"]] == list(range(40))
+    assert trainer.tensorboard.writer.file_writer is None or trainer.tensorboard.writer.all_writers is None
+
+
+def test_a_missing_tensorboard_names_the_extra(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import raises ImportError
+    with pytest.raises(ImportError, match=re.escape("hybrid-trainer[tensorboard]")):
+        make([], tensorboard_dir=str(tmp_path / "tb"))
+
+
+def test_tensorboard_dir_is_validated():
+    with pytest.raises(ValueError, match="tensorboard_dir"):
+        HybridConfig(tensorboard_dir=3)
+
+
 def docs_example() -> str:
     """The Python block of docs/trainer.md's events section."""
     text = DOCS.read_text()
