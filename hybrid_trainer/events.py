@@ -225,10 +225,14 @@ class Events:
         logger.info("step %d: phase %s -> %s (%d steps)", step, old.value, new.value, length)
         self._queue("on_phase_change", old, new)
 
-    def trained_set_changed(self, event: TrainedSetChange, undone: int, old: Phase, new: Phase,
-                            length: int) -> None:
-        """Freezing or unfreezing followed before step ``event.step``; ``undone`` unverified
-        predicted steps were taken back and the phase went from ``old`` to ``new``."""
+    def trained_set_changed(self, step: int, before: list, after: list, undone: int, old: Phase,
+                            controller: Any) -> None:
+        """Freezing or unfreezing followed before step ``step``: the trained tensors went from
+        ``before`` to ``after``, ``undone`` unverified predicted steps were taken back and the
+        phase went from ``old`` to ``controller.phase``."""
+        event = TrainedSetChange(step, len(before), len(after), sum(p.numel() for p in before),
+                                 sum(p.numel() for p in after))
+        new, length = controller.phase, controller.length
         logger.info("step %d: trained set changed (%d -> %d tensors, %d -> %d values); its update history and "
                     "snapshots restart", event.step, event.tensors_before, event.tensors_after,
                     event.values_before, event.values_after)

@@ -110,6 +110,17 @@ def upgrade_v1(state: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
+def check_trains_what_was_saved(state: dict[str, Any], params: list[torch.Tensor]) -> None:
+    """ValueError unless checkpoint ``state`` was saved by a trainer training as many tensors
+    and values as ``params``: the predictor and snapshots hold one slot per trained tensor."""
+    saved = (len(state["predictor"]["scales"]), state["predictor"]["ema"].numel())
+    here = (len(params), sum(p.numel() for p in params))
+    if saved != here:
+        raise ValueError(f"checkpoint: saved by a trainer training {saved[0]} parameter tensors ({saved[1]} "
+                         f"values), this one trains {here[0]} ({here[1]}): freeze and unfreeze as the saved "
+                         f"run had before constructing the trainer that loads it")
+
+
 def rng_of_rank(state: dict[str, Any], ranks) -> dict:
     """This rank's random streams from a checkpoint (``ranks``: the trainer's
     :class:`~hybrid_trainer.distributed.RankSync`): written under DDP it holds every rank's

@@ -28,7 +28,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from contextlib import nullcontext
 from dataclasses import asdict
 from typing import Any, Callable
 
@@ -39,8 +38,9 @@ from .anchor import buffer_slots
 from .averaging import WeightAverage
 from .config import HybridConfig
 from .distributed import RankSync, unwrap
-from .events import Events, TrainedSetChange
+from .events import Events
 from .forecaster import StateForecaster
+from .loss_call import checked_loss, micro_batches
 from .memory import MemoryProfiler, VRAMGuard, default_reader
 from .metrics import MetricsLogger, plot_run
 from .offload import StateOffloader
@@ -49,7 +49,7 @@ from .predict_phase import PredictPhase
 from .run_report import RunStatistics, StepResult, format_summary, run_statistics
 from .setup_checks import (check_arguments, check_ddp_trains_only_its_module, check_dense, check_predictable,
                            check_scheduler, check_train_mode)
-from .state_registry import CHECKPOINT_VERSION, rng_of_rank, trainer_registry, upgrade_v1
+from .state_registry import CHECKPOINT_VERSION, check_trains_what_was_saved, rng_of_rank, trainer_registry, upgrade_v1
 from .step_guard import StepGuard
 from .trained_set import TrainedSet
 from .verifier import LossTrend
@@ -241,9 +241,7 @@ class HybridTrainer:
         self.worth.forget()  # measured along the old direction
         self.controller.force_full()
         self.stats.trained_set_changes += 1
-        change = TrainedSetChange(self.step_count, len(before), len(params), sum(p.numel() for p in before),
-                                  sum(p.numel() for p in params))
-        self.events.trained_set_changed(change, undone, old_phase, self.controller.phase, self.controller.length)
+        self.events.trained_set_changed(self.step_count, before, params, undone, old_phase, self.controller)
 
     # ------------------------------------------------------------------- memory helpers ----
     def _state_home(self) -> None:
@@ -268,34 +266,10 @@ class HybridTrainer:
         self.events.saved(path, self.step_count, wrote=True, emergency=True)  # its hooks run at the step's end
 
     def _micro_batches(self, batch: Any) -> Sequence[Any]:
-        k = self.config.grad_accumulation
-        if k == 1:
-            return [batch]
-        # A list, not any sequence: a (inputs, targets) tuple is one batch, never two micro-batches.
-        if not isinstance(batch, list) or len(batch) != k:
-            raise ValueError(f"batch: with grad_accumulation={k}, pass a list of {k} micro-batches, "
-                             f"got {type(batch).__name__}")
-        return batch
-
-    def _autocast(self):
-        dtype = self.config.autocast_dtype
-        if dtype is None:
-            return nullcontext()
-        return torch.autocast(self.device.type, dtype=getattr(torch, dtype))
+        return micro_batches(batch, self.config.grad_accumulation)
 
     def _loss(self, batch: Any) -> torch.Tensor:
-        with self._autocast():
-            loss = self.loss_fn(self.model, batch)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
-                            f"{'' if not isinstance(loss, torch.Tensor) else ' of shape ' + str(tuple(loss.shape))}")
-        if torch.is_grad_enabled() and not loss.requires_grad:  # torch's own error names no culprit
-            raise TypeError("loss_fn returned a loss detached from the model's parameters (no grad_fn): "
-                            "return the tensor itself, not loss.item(), loss.detach() or one computed "
-                            "under torch.no_grad()")
-        # A view of a 0-d loss would only add a node to the autograd graph (~15 µs forward and
-        # backward per step, a large share of a 1 ms step).
-        return loss if loss.dim() == 0 else loss.reshape(())
+        return checked_loss(self.loss_fn, self.model, batch, self.config.autocast_dtype, self.device)
 
     # ----------------------------------------------------------------------- real steps ----
     def _real_step(self, batch: Any, phase: Phase) -> StepResult:
@@ -443,13 +417,7 @@ class HybridTrainer:
         if state.get("version") != CHECKPOINT_VERSION:
             raise ValueError(f"checkpoint version {state.get('version')!r} is not {CHECKPOINT_VERSION} "
                              f"(nor 1, which still loads)")
-        # Checked before anything loads: the predictor and snapshots hold one slot per trained tensor.
-        saved = (len(state["predictor"]["scales"]), state["predictor"]["ema"].numel())
-        here = (len(self.params), sum(p.numel() for p in self.params))
-        if saved != here:
-            raise ValueError(f"checkpoint: saved by a trainer training {saved[0]} parameter tensors ({saved[1]} "
-                             f"values), this one trains {here[0]} ({here[1]}): freeze and unfreeze as the saved "
-                             f"run had before constructing the trainer that loads it")
+        check_trains_what_was_saved(state, self.params)  # before anything loads
         self.registry.load_state_dict(state)
         checkpoint.restore_rng(rng_of_rank(state, self.ranks))
 
