@@ -126,7 +126,7 @@ def _hooks_of(callbacks: Any) -> dict[str, tuple]:
         raise TypeError(f"callbacks: must be a list of callback objects, got {type(callbacks).__name__}")
     found: dict[str, list] = {name: [] for name in HOOKS}
     for index, callback in enumerate(callbacks):
-        names = [n for n in dir(type(callback)) if n.startswith("on_")]
+        names = [n for n in dir(callback) if n.startswith("on_")]
         unknown = sorted(set(names) - set(HOOKS))
         if unknown:
             raise TypeError(f"callbacks[{index}] ({type(callback).__name__}) defines {unknown}, which no event "
@@ -137,7 +137,7 @@ def _hooks_of(callbacks: Any) -> dict[str, tuple]:
             method = getattr(callback, name)
             if not callable(method):
                 raise TypeError(f"callbacks[{index}].{name} is not callable")
-            if getattr(type(callback), name) is not getattr(Callback, name):
+            if getattr(type(callback), name, None) is not getattr(Callback, name):  # not an inherited no-op
                 found[name].append(method)
     return {name: tuple(methods) for name, methods in found.items()}
 
@@ -153,12 +153,6 @@ class Events:
         self.hooks = _hooks_of(callbacks)
         self.step_end = self.hooks["on_step_end"]
         self.pending: list[tuple[str, tuple]] = []  # (hook, arguments after the trainer) until dispatch
-
-    def add(self, callback: Any) -> None:
-        """Add one callback (after those given at construction)."""
-        for name, methods in _hooks_of([callback]).items():
-            self.hooks[name] += methods
-        self.step_end = self.hooks["on_step_end"]
 
     def _queue(self, hook: str, *args: Any) -> None:
         if self.hooks[hook]:

@@ -8,6 +8,7 @@ import math
 import re
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -265,14 +266,23 @@ def test_duck_typed_callbacks_work_and_no_callback_queues_nothing(stream):
         def on_step_end(self, trainer, result):
             self.steps.append(result.step)
 
-    duck = OnlyStepEnd()
-    trainer = make([duck], **ALWAYS)
+    duck, phases = OnlyStepEnd(), []
+    namespace = SimpleNamespace(on_phase_change=lambda trainer, old, new: phases.append(new))  # hooks as attributes
+    trainer = make([duck, namespace], **ALWAYS)
     bare = make([], **ALWAYS)
+    results = [trainer.step(b) for b in stream[:40]]
     for b in stream[:40]:
-        trainer.step(b)
         bare.step(b)
     assert duck.steps == list(range(40))
+    assert phases and phases == [Phase(results[i + 1].phase) for i in range(39) if results[i].phase != results[i + 1].phase]
     assert bare.events.step_end == () and bare.events.pending == []
+
+    class OnlyRollbacks(Callback):
+        def on_rollback(self, trainer, event):
+            pass
+
+    only = make([OnlyRollbacks()])
+    assert only.events.step_end == () and len(only.events.hooks["on_rollback"]) == 1  # inherited no-ops not called
     assert trainer.events.pending == []  # events without a hook are not kept
 
 
