@@ -118,8 +118,9 @@ class Callback:
 
 
 def _hooks_of(callbacks: Any) -> dict[str, tuple]:
-    """``hook name -> bound methods`` of ``callbacks`` that define it (a :class:`Callback`'s
-    inherited no-ops left out, so a step calls only hooks that do something)."""
+    """``hook name -> ((label, method), ...)`` for the ``callbacks`` that define it (a
+    :class:`Callback`'s inherited no-ops left out, so a step calls only hooks that do
+    something); ``label`` names the callback in errors."""
     if callbacks is None:
         callbacks = ()
     if not isinstance(callbacks, (list, tuple)):
@@ -138,7 +139,7 @@ def _hooks_of(callbacks: Any) -> dict[str, tuple]:
             if not callable(method):
                 raise TypeError(f"callbacks[{index}].{name} is not callable")
             if getattr(type(callback), name, None) is not getattr(Callback, name):  # not an inherited no-op
-                found[name].append(method)
+                found[name].append((f"callbacks[{index}] ({type(callback).__name__})", method))
     return {name: tuple(methods) for name, methods in found.items()}
 
 
@@ -167,13 +168,13 @@ class Events:
         if result is not None and self.step_end:
             calls.append(("on_step_end", (result,)))
         for hook, args in calls:
-            for method in self.hooks[hook]:
+            for label, method in self.hooks[hook]:
                 try:
                     method(trainer, *args)
                 except Exception as error:
                     if hasattr(error, "add_note"):  # Python 3.11+
                         done = after or f"step {result.step} had completed: it is done and counted"
-                        error.add_note(f"raised by callback {type(method.__self__).__name__}.{hook}; {done}")
+                        error.add_note(f"raised by {label}.{hook}; {done}")
                     raise
 
     # -- what a step reports ----------------------------------------------------------------
