@@ -370,6 +370,25 @@ def test_tensorboard_writes_every_steps_scalars(stream, tmp_path):
     assert trainer.tensorboard.writer.file_writer is None or trainer.tensorboard.writer.all_writers is None
 
 
+def test_tensorboard_writes_every_param_groups_lr_under_a_combined_optimizer(stream, tmp_path):
+    pytest.importorskip("tensorboard")
+    if not hasattr(torch.optim, "Muon"):
+        pytest.skip("torch.optim.Muon needs torch >= 2.9")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    model = mlp(0)
+    optimizer = CombinedOptimizer(*muon_parts(model))
+    config = HybridConfig(**FAST, tensorboard_dir=str(tmp_path / "tb"))
+    with HybridTrainer(model, optimizer, cross_entropy, config) as trainer:
+        results = [trainer.step(b) for b in stream[:5]]
+    events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
+    events.Reload()
+    for group in (0, 1):
+        assert [(e.step, e.value) for e in events.Scalars(f"lr/group{group}")] == \
+            [(r.step, pytest.approx(r.lrs[group])) for r in results]
+    assert {r.lrs for r in results} == {(0.02, 3e-3)}
+
+
 def test_a_missing_tensorboard_names_the_extra(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import raises ImportError
     with pytest.raises(ImportError, match=re.escape("hybrid-trainer[tensorboard]")):
