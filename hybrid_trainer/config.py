@@ -92,6 +92,9 @@ class HybridConfig:
             submodule whose class name is ``checkpoint_module_type`` (e.g. ``"GPTBlock"``).
         metrics_path: JSONL file receiving one record per step (None: no per-step records;
             ``trainer.plot`` needs it).
+        tensorboard_dir: folder receiving a TensorBoard event file with every step's scalars
+            (loss, lr per group, grad norm, phase, predicted and verified counts:
+            :mod:`hybrid_trainer.tensorboard_writer`); needs the ``tensorboard`` extra. None: off.
         weight_average: keep a lag-corrected average of the weights
             (:class:`~hybrid_trainer.averaging.WeightAverage`: two more copies of the parameters,
             a third once it is first swapped in, two passes over them per real step) for evaluation and export through
@@ -148,6 +151,7 @@ class HybridConfig:
     checkpoint_module_type: str | None = None
     checkpoint_every_nth: int = 1
     metrics_path: str | None = None
+    tensorboard_dir: str | None = None
     weight_average: bool = False
     seed: int = 0
 
@@ -241,6 +245,8 @@ class HybridConfig:
              "None when checkpoint_modules is set (choose modules by name or by type, not both)")
         need("checkpoint_every_nth", is_int(self.checkpoint_every_nth) and self.checkpoint_every_nth >= 1, "an int >= 1")
         need("metrics_path", self.metrics_path is None or isinstance(self.metrics_path, str), "None or a str path")
+        need("tensorboard_dir", self.tensorboard_dir is None or (isinstance(self.tensorboard_dir, str)
+                                                                 and self.tensorboard_dir), "None or a folder path (str)")
         need("weight_average", isinstance(self.weight_average, bool), "a bool")
         need("seed", is_int(self.seed) and self.seed >= 0, "an int >= 0")
 

@@ -48,6 +48,7 @@ class PredictPhase:
         self.last_verified_loss: float | None = None
         self.last_verified_single_batch = False
         self.unverified_steps = 0
+        self.last_rollback_steps = 0  # predicted steps the last rejected verification undid
 
     def retarget(self, params: list[torch.Tensor], buffers: list[torch.Tensor]) -> None:
         """(Re)make the prediction buffers for ``params``: the update history restarts."""
@@ -118,6 +119,7 @@ class PredictPhase:
         else:
             self.anchor.restore()
             self.stats.predicted_steps_rolled_back += self.unverified_steps
+            self.last_rollback_steps = self.unverified_steps  # for the rollback event
             self.stats.predict_phases_rejected += 1
             self.unverified_steps = 0
             result.rolled_back = True
