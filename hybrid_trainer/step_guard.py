@@ -9,7 +9,10 @@ itself, see :meth:`StepGuard.steps_on_device`), :meth:`StepGuard.check`, then ei
 :meth:`StepGuard.refuse_update` or, after the update, :meth:`StepGuard.accept`.
 
 The good state is kept behind :class:`GoodStateStore`, made by :func:`make_good_state_store`
-only: where the snapshot lives can change there without the guard's decisions changing.
+only: where the snapshot lives can change there without the guard's decisions changing. It
+lives off the device by default (``HybridConfig.good_state_storage``): taken every
+``good_state_every`` real steps and read back only after a spike, it need not cost the device
+three copies of the weights (weights and AdamW's two moments).
 """
 from __future__ import annotations
 
@@ -56,9 +59,19 @@ class GoodStateStore(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-def make_good_state_store(params: list[torch.Tensor], buffers: list[torch.Tensor]) -> GoodStateStore:
-    """The store of the last good state of ``params`` and ``buffers`` (a device-side copy)."""
-    return WeightAnchor(params, buffers=buffers)
+def good_state_storage(config: HybridConfig, device: torch.device) -> str:
+    """``config.good_state_storage`` resolved: on ``"auto"``, page-locked host memory beside a
+    GPU, an unlinked temporary file on a CPU (whose host memory is the training memory)."""
+    if config.good_state_storage != "auto":
+        return config.good_state_storage
+    return "host" if device.type == "cuda" else "file"
+
+
+def make_good_state_store(params: list[torch.Tensor], buffers: list[torch.Tensor], storage: str = "device",
+                          directory: str | None = None) -> GoodStateStore:
+    """The store of the last good state of ``params`` and ``buffers`` (``storage``: see
+    :class:`~hybrid_trainer.anchor.WeightAnchor`; every storage restores the same bits)."""
+    return WeightAnchor(params, buffers=buffers, storage=storage, directory=directory)
 
 
 class StepGuard:
@@ -75,6 +88,7 @@ class StepGuard:
     def __init__(self, config: HybridConfig, optimizer: torch.optim.Optimizer, scaler: Any, stats: Any,
                  device: torch.device):
         self.config, self.optimizer, self.scaler, self.stats = config, optimizer, scaler, stats
+        self.storage = good_state_storage(config, device)
         self.monitor = DivergenceMonitor(**config.divergence)
         self.params: list[torch.Tensor] = []
         self.good_state: GoodStateStore | None = None
@@ -86,7 +100,7 @@ class StepGuard:
     def retarget(self, params: list[torch.Tensor], buffers: list[torch.Tensor]) -> None:
         """Guard ``params`` from now on; the good state restarts empty."""
         self.params = params
-        self.good_state = make_good_state_store(params, buffers)
+        self.good_state = make_good_state_store(params, buffers, self.storage, self.config.snapshot_dir)
 
     def grad_norm(self) -> torch.Tensor | None:
         """Global gradient norm as a 0-d device tensor (before clipping, which it applies when
