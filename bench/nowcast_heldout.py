@@ -243,8 +243,9 @@ def main(argv: list[str] | None = None) -> None:
                                for k, v in casters.items()})
     results.setdefault("tasks", {})
     results["commands"] = earlier + ([results["command"]] if results["command"] not in earlier else [])
-    results["call_cost"] = call_cost(casters, {k: {kk: vv for kk, vv in v.items() if kk not in ("nominal_lr", "grid")}
-                                               for k, v in tasks.items()})
+    results["call_cost"] = {**results.get("call_cost", {}),  # tasks not run this time keep their figures
+                            **call_cost(casters, {k: {kk: vv for kk, vv in v.items() if kk not in ("nominal_lr", "grid")}
+                                                  for k, v in tasks.items()})}
     print("call cost:", json.dumps(results["call_cost"]), flush=True)
     for name, task in tasks.items():
         entry = results["tasks"].setdefault(name, dict(spec=task, tuning={}, seeds={}))
