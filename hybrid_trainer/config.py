@@ -111,7 +111,7 @@ class HybridConfig:
         nowcast_spacing: real steps between the nowcaster's snapshots.
         nowcast_max_horizon: cap (in spacings) on NiNo's horizon schedule 40, 33, 26, 21, 16,
             11, 8, 5, 3, 1: the shipped nowcaster beats predicting no movement up to 16 spacings
-            and not beyond 32 (docs/nowcaster.md), and capped jumps did better on every held-out task.
+            and not beyond 32, and capping softens the first, destructive jumps (docs/nowcaster.md).
         nowcast_moments: ``"keep"`` or ``"reset"`` the optimizer state at a jump.
         nowcast_weights: path of nowcaster weights (None: the ones shipped with the package).
     """
