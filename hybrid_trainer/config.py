@@ -101,6 +101,19 @@ class HybridConfig:
             ``trainer.averaged_weights()``; training never uses it. Evaluated at the average, a
             larger learning rate can pay (docs/trainer.md): re-tune it with this on.
         seed: seed of the trainer's own random draws (dynamics replay sampling).
+
+    PREDICT as a nowcast jump (opt-in; :mod:`hybrid_trainer.nowcast_jump`, docs/nowcaster.md)
+        predictor: ``"steps"`` (the predicted-step PREDICT phases above) or ``"nowcast"``: every
+            step is a real step, and every ``nowcast_call_every`` steps the learned nowcaster
+            jumps the weights ahead; the jump is judged after ``nowcast_recovery_steps`` real
+            steps against the pre-jump loss trend (``nowcast_trend_steps``) and rolled back
+            bit-exactly when it does not beat it by ``nowcast_margin`` standard errors.
+        nowcast_spacing: real steps between the nowcaster's snapshots.
+        nowcast_max_horizon: cap (in spacings) on NiNo's horizon schedule 40, 33, 26, 21, 16,
+            11, 8, 5, 3, 1: the shipped nowcaster beats predicting no movement up to 16 spacings
+            and not beyond 32, and capping softens the first, destructive jumps (docs/nowcaster.md).
+        nowcast_moments: ``"keep"`` or ``"reset"`` the optimizer state at a jump.
+        nowcast_weights: path of nowcaster weights (None: the ones shipped with the package).
     """
 
     predict: bool = True
@@ -154,6 +167,16 @@ class HybridConfig:
     tensorboard_dir: str | None = None
     weight_average: bool = False
     seed: int = 0
+
+    predictor: str = "steps"
+    nowcast_spacing: int = 50
+    nowcast_max_horizon: int = 16
+    nowcast_call_every: int = 300
+    nowcast_recovery_steps: int = 100
+    nowcast_trend_steps: int = 100
+    nowcast_moments: str = "keep"
+    nowcast_margin: float = 0.0
+    nowcast_weights: str | None = None
 
     def __post_init__(self) -> None:
         self.predict_lengths = tuple(self.predict_lengths)
@@ -249,6 +272,17 @@ class HybridConfig:
                                                                  and self.tensorboard_dir), "None or a folder path (str)")
         need("weight_average", isinstance(self.weight_average, bool), "a bool")
         need("seed", is_int(self.seed) and self.seed >= 0, "an int >= 0")
+        need("predictor", self.predictor in ("steps", "nowcast"), "'steps' or 'nowcast'")
+        for name in ("nowcast_spacing", "nowcast_max_horizon", "nowcast_call_every", "nowcast_recovery_steps",
+                     "nowcast_trend_steps"):
+            need(name, is_int(getattr(self, name)) and getattr(self, name) >= 1, "an int >= 1")
+        need("nowcast_recovery_steps", self.nowcast_recovery_steps < self.nowcast_call_every,
+             "< nowcast_call_every")
+        need("nowcast_moments", self.nowcast_moments in ("keep", "reset"), "'keep' or 'reset'")
+        need("nowcast_margin", isinstance(self.nowcast_margin, (int, float)) and math.isfinite(self.nowcast_margin),
+             "a finite number")
+        need("nowcast_weights", self.nowcast_weights is None or isinstance(self.nowcast_weights, str),
+             "None or a path")
 
     @property
     def horizon(self) -> int:
