@@ -229,6 +229,11 @@ def _apply_impl(params: list[torch.Tensor], deltas: list[torch.Tensor], alphas: 
     with torch.no_grad():
         if backend == "triton":
             norms = _apply_triton(params, deltas, scales, alphas, group_sizes, want_norms, layout)
+            # The kernel writes through raw pointers, which autograd cannot see: bump each
+            # parameter's version counter as an in-place torch op would, so a graph that saved
+            # the old values raises at backward instead of returning gradients of stale values.
+            # (A no-op for inference tensors, which have no counter; one C call for the list.)
+            torch.autograd.graph.increment_version(params)
         else:
             norms = _apply_eager(params, deltas, scales, alphas, group_sizes, want_norms)
         if want_norms:

@@ -218,3 +218,27 @@ def test_applier_checks_at_construction_and_per_call():
     with pytest.raises(ValueError, match=r"out_norms must have shape \(2,\)"):
         applier(1.0, out_norms=torch.zeros(3))
     assert torch.equal(params[0], torch.zeros(3))  # nothing applied before the errors
+
+
+# --------------------------------------------------------------------------------------------
+# Autograd sees the in-place write: a graph that saved the old values raises at backward
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+@pytest.mark.parametrize("via", ["apply_delta_", "DeltaApplier"])
+def test_saved_tensor_modified_by_apply_delta_raises_at_backward(backend, via, device, monkeypatch):
+    """The kernel writes through raw pointers; without a version bump autograd would return the
+    gradient of the new values (2 * w_new here) through a graph built on the old ones."""
+    weight = torch.nn.Parameter(torch.randn(37, device=device))
+    plain = torch.randn(5, device=device)  # a tensor not requiring grad, saved by the product below
+    loss = (weight * weight).sum() + (plain.requires_grad_(False) * weight[:5]).sum()
+    versions = (weight._version, plain._version)
+    monkeypatch.setenv("HYBRID_KERNELS_BACKEND", backend)
+    params, deltas = [weight, plain], [torch.ones(37, device=device), torch.ones(5, device=device)]
+    if via == "apply_delta_":
+        hk.apply_delta_(params, deltas, 0.5)
+    else:
+        hk.DeltaApplier(params, deltas)(0.5)
+    assert hk.last_backend("apply_delta_") == backend
+    assert weight._version > versions[0] and plain._version > versions[1]  # every written tensor
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
