@@ -242,3 +242,51 @@ def test_saved_tensor_modified_by_apply_delta_raises_at_backward(backend, via, d
     assert weight._version > versions[0] and plain._version > versions[1]  # every written tensor
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+# --------------------------------------------------------------------------------------------
+# DeltaApplier refuses tensors reallocated or resized after it was built
+# --------------------------------------------------------------------------------------------
+def _rebind_param(params, deltas, scales):
+    params[1].data = torch.randn(300, device=params[1].device)  # what module.to(dtype) also does
+
+
+def _grow_delta(params, deltas, scales):
+    deltas[2].resize_(4096)  # larger: new storage, the old one is freed
+
+
+def _shrink_param_same_address(params, deltas, scales):
+    with torch.no_grad():
+        params[0].set_(params[0].untyped_storage(), 0, (50,))  # same address, fewer elements
+
+
+def _grow_scales(params, deltas, scales):
+    scales[1].resize_(64)
+
+
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+@pytest.mark.parametrize("change, name", [(_rebind_param, r"params\[1\]"), (_grow_delta, r"deltas\[2\]"),
+                                          (_shrink_param_same_address, r"params\[0\]"),
+                                          (_grow_scales, r"scales\[1\]")])
+def test_applier_refuses_tensors_changed_after_construction(change, name, backend, device, monkeypatch):
+    params = [torch.nn.Parameter(torch.randn(n, device=device)) for n in (100, 300, 2000)]
+    if change is _grow_scales:
+        codes, scales = zip(*(hk.quantize_int8(torch.randn(n, device=device), "block", 32) for n in (100, 300, 2000)))
+        deltas, scales = list(codes), list(scales)
+        applier = hk.DeltaApplier(params, deltas, scales=scales, granularity="block", block_size=32)
+    else:
+        deltas, scales = [torch.randn(n, device=device) for n in (100, 300, 2000)], None
+        applier = hk.DeltaApplier(params, deltas)
+    applier(0.5)  # fine while nothing changed
+    change(params, deltas, scales)
+    before = [p.detach().clone() for p in params]
+    monkeypatch.setenv("HYBRID_KERNELS_BACKEND", backend)
+    with pytest.raises(RuntimeError, match=name + r" changed since the applier was built .*new DeltaApplier"):
+        applier(0.5)
+    assert all(torch.equal(p, b) for p, b in zip(params, before))  # nothing written
+    # A fresh applier over the current tensors works (when the shapes still match).
+    if change is _grow_scales or change is _grow_delta:
+        return
+    fresh_deltas = [torch.ones_like(p) for p in params]
+    hk.DeltaApplier(params, fresh_deltas)(1.0)
+    assert all(torch.equal(p, b + 1.0) for p, b in zip(params, before))
