@@ -22,9 +22,11 @@ interpreter rounds toward zero: one bf16 ulp from torch's round-to-nearest-even)
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from operator import attrgetter
 
+import numpy as np
 import torch
 
 from ._dispatch import choose_backend, record, triton_can_run
@@ -331,19 +333,30 @@ def _check_args(params, deltas, alpha, scales, granularity, block_size, out_norm
     return _alphas_for(alpha, n), group_sizes
 
 
+def _is_real(value) -> bool:
+    """A real Python/NumPy number; not a bool (True as a step size is a bug, not 1.0)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
 def _alphas_for(alpha, n: int) -> torch.Tensor:
     """``alpha`` as a float32 tensor ``[n]``, rejecting a wrong length or non-finite values."""
     if isinstance(alpha, torch.Tensor):
         if alpha.shape != (n,):
             raise ValueError(f"alpha tensor must have shape ({n},), one value per tensor, got {tuple(alpha.shape)}")
+        if alpha.dtype == torch.bool or alpha.is_complex():
+            raise TypeError(f"alpha tensor must hold real numbers, got dtype {alpha.dtype}")
         alphas = alpha.detach().to(torch.float32)
-    elif isinstance(alpha, (int, float)) and not isinstance(alpha, bool):
+    elif _is_real(alpha):
         if not math.isfinite(alpha):
             raise ValueError(f"alpha[0] is {alpha}: a non-finite step would corrupt params[0]")
         return torch.full((n,), float(alpha), dtype=torch.float32)
-    elif isinstance(alpha, Sequence):
+    elif isinstance(alpha, Sequence) and not isinstance(alpha, (str, bytes)):
         if len(alpha) != n:
             raise ValueError(f"alpha has {len(alpha)} values but params has {n}")
+        for i, a in enumerate(alpha):  # float() would also take "1" or True: a typo, not a step size
+            if not (_is_real(a) or (isinstance(a, torch.Tensor) and a.dim() == 0 and a.dtype != torch.bool
+                                    and not a.is_complex())):
+                raise TypeError(f"alpha[{i}] must be a real number, got {type(a).__name__} {a!r}")
         alphas = torch.tensor([float(a) for a in alpha], dtype=torch.float32)
     else:
         raise TypeError(f"alpha must be a float, a sequence of floats or a tensor, got {type(alpha).__name__}")

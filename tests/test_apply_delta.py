@@ -115,6 +115,15 @@ def test_parameters_with_grad_and_empty_tensors(device):
     assert layer.weight.requires_grad and layer.weight.grad is None
 
 
+def test_alpha_accepts_real_numbers_of_any_kind(device):
+    import numpy as np
+    params = [torch.zeros(3, device=device), torch.zeros(5, device=device)]
+    deltas = [torch.ones(3, device=device), torch.ones(5, device=device)]
+    for alpha in (1, np.float32(1.0), [np.float64(1.0), 1], (torch.tensor(1.0), 1.0)):
+        hk.apply_delta_(params, deltas, alpha)
+    assert torch.equal(params[0], torch.full((3,), 4.0, device=device))
+
+
 def test_empty_list_is_a_no_op():
     hk.apply_delta_([], [])
 
@@ -127,6 +136,13 @@ def test_empty_list_is_a_no_op():
     (lambda p, d: hk.apply_delta_(p, [d[0], d[1].to("meta")]), r"deltas\[1\] is on meta"),
     (lambda p, d: hk.apply_delta_(p, d, [1.0]), "alpha has 1 values but params has 2"),
     (lambda p, d: hk.apply_delta_(p, d, float("nan")), r"alpha\[0\] is nan"),
+    (lambda p, d: hk.apply_delta_(p, d, "1"), r"alpha must be a float, a sequence of floats or a tensor, got str"),
+    (lambda p, d: hk.apply_delta_(p, d, "12"), r"alpha must be a float, a sequence of floats or a tensor, got str"),
+    (lambda p, d: hk.apply_delta_(p, d, True), r"alpha must be a float, a sequence of floats or a tensor, got bool"),
+    (lambda p, d: hk.apply_delta_(p, d, [1.0, "1"]), r"alpha\[1\] must be a real number, got str '1'"),
+    (lambda p, d: hk.apply_delta_(p, d, [False, 1.0]), r"alpha\[0\] must be a real number, got bool"),
+    (lambda p, d: hk.apply_delta_(p, d, torch.tensor([True, False])), r"alpha tensor must hold real numbers"),
+    (lambda p, d: hk.DeltaApplier(p, d)("1"), r"alpha must be a float, a sequence of floats or a tensor, got str"),
     (lambda p, d: hk.apply_delta_([p[0], p[0]], d[:1] * 2), r"params\[1\] and params\[0\] share storage"),
     (lambda p, d: hk.apply_delta_(p, d, out_norms=torch.zeros(3)), r"out_norms must have shape \(2,\)"),
     (lambda p, d: hk.apply_delta_(p, d, scales=[torch.ones(()), torch.ones(())]), r"deltas\[0\] must be int8"),
