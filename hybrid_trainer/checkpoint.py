@@ -93,7 +93,7 @@ class _HashingWriter:
 
     def write(self, data) -> int:
         self.sha256.update(data)
-        self.length += len(data)
+        self.length += memoryview(data).nbytes  # bytes, whatever the buffer's item format
         return self._file.write(data)
 
     def flush(self) -> None:
@@ -191,7 +191,8 @@ def _remove_stale_temporaries(path: Path) -> list[Path]:
     runs, this process's own pid (a dead process's pid reused: this process is not writing one), or
     no pid (the older naming). A file whose writer runs may be a save in progress and is kept.
     Only names of exactly this target's pattern match (``ck.pt`` never touches ``ck.pt.rank0``'s).
-    Returns the paths removed."""
+    Two threads of one process saving the same target at once are not supported (each would take
+    the other's file for stale). Returns the paths removed."""
     prefix = f".{path.name}."
     removed = []
     try:
