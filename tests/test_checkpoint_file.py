@@ -161,7 +161,7 @@ def test_temporary_of_a_killed_save_is_removed_by_the_next_save(tmp_path):
     checkpoint.atomic_save({"v": torch.zeros(4)}, target)
     script = textwrap.dedent(f"""
         import os, signal, sys
-        sys.path.insert(0, {os.getcwd()!r})
+        sys.path.insert(0, {os.path.dirname(os.path.dirname(os.path.abspath(checkpoint.__file__)))!r})
         import torch
         from hybrid_trainer import checkpoint
         def dies_half_way(obj, f):
