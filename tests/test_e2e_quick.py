@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from bench import e2e
+from bench import e2e, protocol
 from bench.tasks import get_task
 
 
@@ -50,7 +50,7 @@ def test_fused_adamw_arms_and_the_trainer_steps_like_the_plain_fused_loop(tmp_pa
     monkeypatch.setattr(e2e, "ADAMW_OPTIONS", {})  # main() sets fused=True in it
     assert e2e.main(["--quick", "--tasks", "digits", "--seeds", "1", "--presets", "no-predict",
                      "--fused-adamw", "--out", str(tmp_path)]) == 0
-    assert e2e.ADAMW_OPTIONS == {"fused": True}
+    assert protocol.ADAMW_OPTIONS == {"fused": True}
     result = json.loads((tmp_path / "e2e_digits_quick_fused.json").read_text())
     assert result["meta"]["command"].endswith("--fused-adamw")
     plain, trainer = result["arms"]["AdamW (tuned lr)"]["seeds"][0], result["arms"]["HybridTrainer (no-predict)"]["seeds"][0]
@@ -60,15 +60,15 @@ def test_fused_adamw_arms_and_the_trainer_steps_like_the_plain_fused_loop(tmp_pa
 def test_first_crossing_interpolates_in_time():
     curve = [dict(step=0, time=0.0, val_loss=2.0, backward=0, forward=0),
              dict(step=10, time=1.0, val_loss=1.0, backward=10, forward=10)]
-    cross = e2e.first_crossing(curve, 1.5)
+    cross = protocol.first_crossing(curve, 1.5)
     assert cross["time"] == pytest.approx(0.5) and cross["backward"] == pytest.approx(5)
-    assert e2e.first_crossing(curve, 0.5) is None
-    assert e2e.interpolate(curve, "time", 0.25) == pytest.approx(1.75)
+    assert protocol.first_crossing(curve, 0.5) is None
+    assert protocol.interpolate(curve, "time", 0.25) == pytest.approx(1.75)
 
 
 def test_presets_map_to_configs_and_a_bad_name_fails_before_any_run(tmp_path):
-    assert e2e.preset_config("no-predict").predict is False
-    assert e2e.preset_config("aggressive") == e2e.HybridConfig.aggressive()
+    assert protocol.preset_config("no-predict").predict is False
+    assert protocol.preset_config("aggressive") == protocol.HybridConfig.aggressive()
     with pytest.raises(ValueError, match="--presets: each must be one of"):
         e2e.main(["--quick", "--tasks", "digits", "--presets", "fast", "--out", str(tmp_path)])
     assert not list(tmp_path.iterdir())
@@ -109,7 +109,7 @@ def test_schedule_free_arms_get_their_own_swept_rate_and_warm_up_and_a_control(t
     grid = [(tuned * f, round(budget * w)) for f in e2e.SCHEDULE_FREE_LR_FACTORS for w in e2e.SCHEDULE_FREE_WARMUP_FRACTIONS]
     assert set(free["sweep"]) == {f"lr={lr:g} warmup={w}" for lr, w in grid}
     assert (free["lr"], free["warmup_steps"]) == min(grid, key=lambda g: free["sweep"][f"lr={g[0]:g} warmup={g[1]}"])
-    assert free["betas"] == list(e2e.SCHEDULE_FREE_BETAS)
+    assert free["betas"] == list(protocol.SCHEDULE_FREE_BETAS)
     arms = result["arms"]
     assert arms["Schedule-free AdamW"]["lr"] == free["lr"] == arms["HybridTrainer (schedule-free)"]["lr"]
     assert arms["Schedule-free AdamW"]["hybrid"] is False and arms["HybridTrainer (schedule-free)"]["hybrid"] is True
@@ -122,13 +122,13 @@ def test_schedule_free_arms_get_their_own_swept_rate_and_warm_up_and_a_control(t
 
 def test_schedule_free_evaluation_moves_to_the_average_and_back():
     model = torch.nn.Linear(3, 2)
-    optimizer = e2e.make_optimizer(e2e.ArmSpec("sf", 0.1, schedule_free_warmup=0), model)
+    optimizer = protocol.make_optimizer(protocol.ArmSpec("sf", 0.1, schedule_free_warmup=0), model)
     for _ in range(3):
         optimizer.zero_grad()
         model(torch.ones(4, 3)).square().sum().backward()
         optimizer.step()
     train_point = model.weight.detach().clone()
-    with e2e.schedule_free_evaluation(optimizer):
+    with protocol.schedule_free_evaluation(optimizer):
         assert not torch.allclose(model.weight, train_point)
         assert optimizer.param_groups[0]["train_mode"] is False
     assert optimizer.param_groups[0]["train_mode"] is True
@@ -155,12 +155,12 @@ def test_muon_arms_get_their_own_swept_rates_and_a_control(tmp_path):
 def test_muon_trains_the_hidden_matrices_and_adamw_the_rest():
     mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(),
                               torch.nn.Linear(16, 3))
-    assert [tuple(p.shape) for p in e2e.hidden_matrices(mlp)] == [(16, 8), (16, 16)]  # not the output layer
+    assert [tuple(p.shape) for p in protocol.hidden_matrices(mlp)] == [(16, 8), (16, 16)]  # not the output layer
     gpt = get_task("charlm", quick=True).make_model(0)
-    hidden = e2e.hidden_matrices(gpt)
+    hidden = protocol.hidden_matrices(gpt)
     assert len(hidden) == 4 and all(p.ndim == 2 for p in hidden)  # qkv, out_proj and two MLP matrices
     assert all(p is not gpt.tok.weight and p is not gpt.pos for p in hidden)
-    optimizer = e2e.make_optimizer(e2e.ArmSpec("m", 3e-3, muon_lr=0.02), gpt)
+    optimizer = protocol.make_optimizer(protocol.ArmSpec("m", 3e-3, muon_lr=0.02), gpt)
     muon, adamw = optimizer.parts
     assert isinstance(muon, torch.optim.Muon) and muon.param_groups[0]["lr"] == 0.02
     assert {id(p) for p in muon.param_groups[0]["params"]} == {id(p) for p in hidden}
@@ -169,11 +169,11 @@ def test_muon_trains_the_hidden_matrices_and_adamw_the_rest():
 
 
 def test_muon_forced_predicts_over_muon_whatever_it_is_worth():
-    config = e2e.preset_config("muon-forced")
-    assert config.min_predicted_worth == e2e.FORCED_PREDICTION["min_predicted_worth"] and not config.cost_aware
+    config = protocol.preset_config("muon-forced")
+    assert config.min_predicted_worth == protocol.FORCED_PREDICTION["min_predicted_worth"] and not config.cost_aware
     task = get_task("digits", quick=True)
-    arm = e2e.ArmSpec("forced over Muon", 0.01, config, muon_lr=0.02)
-    run = e2e.ArmRun(arm, task, seed=0, budget=task.steps)
+    arm = protocol.ArmSpec("forced over Muon", 0.01, config, muon_lr=0.02)
+    run = protocol.ArmRun(arm, task, seed=0, budget=task.steps)
     assert isinstance(run.optimizer.parts[0], torch.optim.Muon)
     while not run.done:
         run.run_chunk(task.eval_every, record_phases=False)

@@ -1,11 +1,11 @@
-"""bench.lr_control: the hypergradient controller's rule, and the benchmark's output (digits, seconds)."""
+"""experiments.lr_control: the hypergradient controller's rule, and the benchmark's output (digits, seconds)."""
 import json
 
 import pytest
 import torch
 
-from bench import lr_control
-from bench.lr_control import HypergradientLR, warmup_cosine
+from experiments import lr_control
+from experiments.lr_control import HypergradientLR, warmup_cosine
 
 
 def _quadratic_run(lr: float, beta: float, steps: int, bounds=(0.1, 10.0)):

@@ -1,9 +1,9 @@
-"""bench.predictors' batch-size sweep and the tasks' batch-size override (digits: real data, seconds)."""
+"""experiments.predictors' batch-size sweep and the tasks' batch-size override (digits: real data, seconds)."""
 import json
 
 import pytest
 
-from bench import predictors
+from experiments import predictors
 from bench.tasks import get_task
 
 

@@ -1,11 +1,11 @@
-"""bench.scheduled: the arms predict on the probe's schedule with the scale they name, and the
+"""experiments.scheduled: the arms predict on the probe's schedule with the scale they name, and the
 command writes its result (digits, seconds)."""
 import json
 
 import pytest
 import torch
 
-from bench import scheduled
+from experiments import scheduled
 from bench.tasks import get_task
 from hybrid_trainer.predictor import DeltaPredictor
 

@@ -1,9 +1,9 @@
-"""bench.confidence: the ranking statistic, and a forced run's verdicts with their scores."""
+"""experiments.confidence: the ranking statistic, and a forced run's verdicts with their scores."""
 import json
 
 import pytest
 
-from bench import confidence
+from experiments import confidence
 
 
 def test_roc_auc_is_the_probability_an_accepted_outscores_a_rejected():

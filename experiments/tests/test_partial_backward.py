@@ -1,10 +1,10 @@
-"""bench.partial_backward: the cut skips the lower layers' backward, the arms apply what they say,
+"""experiments.partial_backward: the cut skips the lower layers' backward, the arms apply what they say,
 and the command writes its result (digits, seconds)."""
 import json
 
 import torch
 
-from bench import partial_backward
+from experiments import partial_backward
 from bench.tasks import get_task
 
 
