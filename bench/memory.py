@@ -2,7 +2,7 @@
 
     python -m bench.memory [--quick] [--out docs/results]
 
-All three parts run in one invocation on real data (shared/design.md §4):
+All three parts run in one invocation on real data:
 
 a. **Gradient checkpointing** on the benchmark transformer (``bench.tasks`` charlm, full-size
    config, its batch size), every ``GPTBlock`` checkpointed vs none, on the same model and batch:

@@ -2,8 +2,8 @@
 
     python -m experiments.scheduled [--task charlm] [--seeds 3] [--out experiments/results]
 
-Before this project started, a probe (``shared/notes/feasibility_report.md``: a char-LM on Python
-source, a model clock instead of wall-clock) found one predicted update that paid a little: the
+Before this project started, a feasibility probe (not part of this repository: a char-LM on
+Python source, a model clock instead of wall-clock) found one predicted update that paid a little: the
 EMA (β 0.98–0.99) of the real AdamW updates applied at scale 1, ten times after every fifteen real
 steps, with no loss check (0.92× the tuned loop's time to its target, a predicted step worth
 ~0.14 of a real one); a fitted least-squares scale shrank it and lost the gain, and a forward
