@@ -44,7 +44,8 @@ from pathlib import Path
 
 import torch
 
-from .protocol import (ADAMW_OPTIONS, ADAMW_WEIGHT_DECAY, FORCED_PREDICTION, HYBRID_STEP_FACTOR, MUON_PRESETS,
+from . import protocol
+from .protocol import (ADAMW_WEIGHT_DECAY, FORCED_PREDICTION, HYBRID_STEP_FACTOR, MUON_PRESETS,
                        PRESETS, SCHEDULE_FREE_BETAS, ArmRun, ArmSpec, Task, analyse, format_mean_std,
                        cpu_description, plot_loss_curves, preset_config, run_arms, run_metadata, sweep_lr)
 from .tasks import get_task
@@ -252,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("docs/results"))
     args = parser.parse_args(argv)
     if args.fused_adamw:
-        ADAMW_OPTIONS["fused"] = True
+        protocol.ADAMW_OPTIONS["fused"] = True  # read by protocol.make_optimizer for every arm
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error(f"argument --device: cuda asked for, but torch {torch.__version__} sees no CUDA GPU "
                      "(torch.cuda.is_available() is False)")
@@ -260,6 +261,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     tasks = args.tasks or (["digits", "charlm"] if args.quick else ["charlm", "fashion", "digits"])
     presets = args.presets or ["default", "weight-average", "schedule-free", "muon", "no-predict"]
+    if not hasattr(torch.optim, "Muon"):  # torch.optim.Muon exists from torch 2.9
+        if args.presets and any(p in MUON_PRESETS for p in presets):
+            parser.error(f"--presets: {' and '.join(MUON_PRESETS)} need torch.optim.Muon (torch >= 2.9), "
+                         f"this is torch {torch.__version__}")
+        presets = [p for p in presets if p not in MUON_PRESETS]
+        print(f"torch {torch.__version__} has no torch.optim.Muon (torch >= 2.9): the muon arms are left out",
+              file=sys.stderr)
     for name in presets:
         preset_config(name)  # a bad name fails here, not after the first task's runs
     args.out.mkdir(parents=True, exist_ok=True)

@@ -2,6 +2,7 @@
 hybrid_kernels, because Triton decides at decoration time whether a kernel is compiled or
 interpreted, so TRITON_INTERPRET must be set first."""
 import os
+from pathlib import Path
 
 import torch
 
@@ -16,3 +17,18 @@ import pytest  # noqa: E402
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def eager_backend(monkeypatch):
+    """Run the test body with the eager reference forced (the CPU path the probes time)."""
+    monkeypatch.setenv("HYBRID_KERNELS_BACKEND", "eager")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every research test is slow-tier: they run the probes' training loops (``make test`` runs
+    them, ``make test-fast`` leaves them out)."""
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(item.fspath).parents:
+            item.add_marker(pytest.mark.slow)

@@ -5,6 +5,7 @@ import pytest
 
 from bench import protocol
 from experiments import schedule_free
+from tests._images import assert_plot
 
 pytest.importorskip("schedulefree")
 
@@ -26,7 +27,7 @@ def test_quick_exploration_writes_crossings_against_the_tuned_runs_target(tmp_pa
     assert free["final_val_loss"] == free["curve"][-1]["val_loss"] != tuned["final_val_loss"]
     table = (tmp_path / "schedule_free_charlm.md").read_text()
     assert "| schedule-free | 0.01 | 20 | (0.95, 0.95) | 2, 0 |" in table
-    assert (tmp_path / "schedule_free_charlm.png").stat().st_size > 5000
+    assert_plot(tmp_path / "schedule_free_charlm.png", (9, 5), dpi=110)
 
 
 def test_adamw_warm_up_is_linear_to_the_rate():
