@@ -1,5 +1,6 @@
 # Two commands do all set-up on a fresh machine: `make demo` and `make test`.
-# Both create .venv if missing and install the package with its extras. torch is pinned to the
+# Both create .venv if missing and install the package with the extras tests and benchmarks need
+# (`dev`: test, bench, plot, nvml, tensorboard). torch is pinned to the
 # CPU build (constraints-cpu.txt) only when the venv has no torch yet, so a venv that already
 # holds a CUDA build keeps it.
 PYTHON ?= python3
@@ -23,7 +24,7 @@ $(PY):
 
 $(STAMP): $(PY) pyproject.toml constraints-cpu.txt
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install $(PIP_FLAGS) -c constraints-cpu.txt torch
-	$(PY) -m pip install $(PIP_FLAGS) -e ".[test,bench]"
+	$(PY) -m pip install $(PIP_FLAGS) -e ".[dev]"
 	@touch $(STAMP)
 
 # Fashion-MNIST for the full benchmark: Debian's package where apt and root are available,
