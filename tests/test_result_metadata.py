@@ -80,3 +80,30 @@ def test_every_result_writer_records_run_metadata():
             writers.append(path.name)
             assert "run_metadata(" in text, f"{path.relative_to(ROOT)} writes JSON results without run_metadata"
     assert len(writers) >= 15
+
+
+def test_results_index_lists_every_result_file():
+    """Each committed result file appears in its folder's index (regenerate with
+    ``python -m bench.results_index``); which commit is shown depends on git history, so only the
+    listing is checked here."""
+    from bench import results_index
+
+    for folder in results_index.FOLDERS:
+        index = (ROOT / folder / results_index.INDEX_NAME).read_text()
+        for path in (ROOT / folder).rglob("*"):
+            if path.is_file() and path.name != results_index.INDEX_NAME:
+                assert f"({path.relative_to(ROOT / folder).as_posix()})" in index, f"{path} missing from {folder} index"
+
+
+def test_results_index_shows_commands_as_they_run_today():
+    from bench.results_index import current_command
+
+    moved = Path("experiments/results/nowcast_fashion.json")
+    assert current_command("python -m bench.nowcast evaluate --task fashion", moved) == \
+        "python -m experiments.nowcast evaluate --task fashion"
+    assert current_command("python -m bench.confidence --out docs/results", Path("experiments/results/confidence.json")) == \
+        "python -m experiments.confidence --out experiments/results"
+    assert current_command("python -m bench.e2e --tasks digits-full", Path("experiments/results/fullbatch/e2e_digits-full.json")) == \
+        "python -m bench.e2e --tasks digits-full --out experiments/results/fullbatch"
+    assert current_command("python -m bench.e2e", Path("docs/results/e2e_charlm.json")) == "python -m bench.e2e"
+    assert current_command(None, moved) is None
