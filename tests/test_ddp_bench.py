@@ -31,6 +31,7 @@ def test_summary_compares_each_arm_with_the_plain_loop_and_checks_the_weights():
     assert not ddp.summarise(runs)["no_predict_is_plain_bit_for_bit"]
 
 
+@pytest.mark.slow
 def test_two_rank_run_writes_every_arm_with_identical_ranks(tmp_path, monkeypatch):
     monkeypatch.setenv("HYBRID_KERNELS_BACKEND", "eager")
     result = ddp.main(["--task", "digits", "--steps", "60", "--seeds", "1", "--out", str(tmp_path)])

@@ -51,6 +51,7 @@ def test_quick_digits_runs_on_cuda(tmp_path):
     assert (tmp_path / "e2e_quick_cuda.md").exists() and not (tmp_path / "e2e_quick.md").exists()
 
 
+@pytest.mark.slow
 def test_warm_up_reaches_every_kernel_a_timed_run_may_use(monkeypatch):
     """Which of the trainer's kernels a run calls depends on its measured worth (the encoder and
     the dynamics model wait for the gate), so the warm-up forces prediction on once per hybrid
