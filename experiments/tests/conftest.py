@@ -2,6 +2,7 @@
 hybrid_kernels, because Triton decides at decoration time whether a kernel is compiled or
 interpreted, so TRITON_INTERPRET must be set first."""
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -11,6 +12,10 @@ if not torch.cuda.is_available():
 os.environ.pop("HYBRID_KERNELS_BACKEND", None)
 
 import pytest  # noqa: E402
+
+# The test helpers shared with tests/ (``_images``) live there; make them importable when only
+# experiments/tests is collected, as pytest does for tests/ itself.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 
 @pytest.fixture(autouse=True)

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from experiments import confidence
-from tests._images import assert_plot
+from _images import assert_plot
 
 
 def test_roc_auc_is_the_probability_an_accepted_outscores_a_rejected():

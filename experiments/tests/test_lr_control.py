@@ -6,7 +6,7 @@ import torch
 
 from experiments import lr_control
 from experiments.lr_control import HypergradientLR, warmup_cosine
-from tests._images import assert_plot
+from _images import assert_plot
 
 
 def _quadratic_run(lr: float, beta: float, steps: int, bounds=(0.1, 10.0)):

@@ -6,7 +6,7 @@ import torch
 
 from experiments import partial_backward
 from bench.tasks import get_task
-from tests._images import assert_plot
+from _images import assert_plot
 
 
 def test_lower_parameters_are_the_ones_below_the_cut():

@@ -5,7 +5,7 @@ import pytest
 
 from experiments import predictors
 from bench.tasks import get_task
-from tests._images import assert_plot
+from _images import assert_plot
 
 
 def test_batch_size_override_and_full_batch_task():

@@ -5,7 +5,7 @@ import pytest
 
 from bench import protocol
 from experiments import schedule_free
-from tests._images import assert_plot
+from _images import assert_plot
 
 pytest.importorskip("schedulefree")
 

@@ -8,7 +8,7 @@ import torch
 from experiments import scheduled
 from bench.tasks import get_task
 from hybrid_trainer.predictor import DeltaPredictor
-from tests._images import assert_plot
+from _images import assert_plot
 
 
 @pytest.fixture
