@@ -47,7 +47,7 @@ def test_quick_digits_runs_on_cuda(tmp_path):
                      "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "e2e_digits_quick_cuda.json").read_text())
     assert result["meta"]["device"] == torch.cuda.get_device_name(0)
-    assert result["meta"]["command"].endswith("--device cuda")
+    assert result["meta"]["command"].endswith(f"--device cuda --out {tmp_path}")
     assert (tmp_path / "e2e_quick_cuda.md").exists() and not (tmp_path / "e2e_quick.md").exists()
 
 

@@ -81,7 +81,7 @@ def test_fused_adamw_arms_and_the_trainer_steps_like_the_plain_fused_loop(tmp_pa
                      "--fused-adamw", "--out", str(tmp_path)]) == 0
     assert protocol.ADAMW_OPTIONS == {"fused": True}
     result = json.loads((tmp_path / "e2e_digits_quick_fused.json").read_text())
-    assert result["meta"]["command"].endswith("--fused-adamw")
+    assert result["meta"]["command"].endswith(f"--fused-adamw --out {tmp_path}")
     plain, trainer = result["arms"]["AdamW (tuned lr)"]["seeds"][0], result["arms"]["HybridTrainer (no-predict)"]["seeds"][0]
     assert [p["val_loss"] for p in trainer["curve"]][: len(plain["curve"])] == [p["val_loss"] for p in plain["curve"]]
 
