@@ -32,7 +32,6 @@ import gc
 import hashlib
 import json
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -42,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
+
 
 KINDS = ("real", "predicted", "predicted, verified")  # steps by what they ran
 ARMS = ("plain DDP", "HybridTrainer (no-predict)", "HybridTrainer (default)", "HybridTrainer (forced)")
@@ -66,7 +66,7 @@ def train_arm(arm: str, task, seed: int, lr: float, batches: list) -> dict:
     """One arm on this rank; returns its per-step seconds and what it ends with."""
     from hybrid_trainer import HybridTrainer
 
-    from .e2e import preset_config, training_step
+    from .protocol import preset_config, training_step
 
     model = DistributedDataParallel(task.make_model(seed))
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -247,9 +247,9 @@ def main(argv: list[str] | None = None) -> dict:
     runs = run(args.task, args.world, args.steps, args.seeds, args.lr)
     result = dict(task=args.task, world=args.world, steps=args.steps, seeds=args.seeds, lr=args.lr,
                   **summarise(runs))
-    result["meta"] = dict(command=command, date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                          device=f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores",
-                          torch=torch.__version__, python=platform.python_version())
+    from .protocol import cpu_description, run_metadata  # as the workers do: the trainer is imported late
+
+    result["meta"] = run_metadata(command, device=cpu_description())
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"ddp_{args.task}.json").write_text(json.dumps(result, indent=1))
     plot(result, args.out / f"ddp_{args.task}.png")

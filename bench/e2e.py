@@ -2,7 +2,7 @@
 
     python -m bench.e2e [--quick] [--tasks charlm fashion digits] [--seeds 3] [--device cpu|cuda] [--out docs/results]
 
-Protocol (shared/design.md §5):
+Protocol (``bench.protocol``):
 * Every arm of a task starts from the same initialisation and sees the same batches in the same
   order, per seed. All arms of a task run in one process, interleaved chunk by chunk
   (``eval_every`` steps of one arm, then of the next), so machine noise hits them alike.
@@ -36,330 +36,32 @@ Protocol (shared/design.md §5):
 from __future__ import annotations
 
 import argparse
-import contextlib
-import datetime as dt
 import json
-import math
-import os
-import platform
-import statistics
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
 
 import torch
-from tqdm import tqdm
 
-from hybrid_trainer import CombinedOptimizer, HybridConfig, HybridTrainer
-from hybrid_trainer.averaging import WeightAverage
+from . import protocol
+from .protocol import (ADAMW_WEIGHT_DECAY, FORCED_PREDICTION, HYBRID_STEP_FACTOR, MUON_PRESETS,
+                       PRESETS, SCHEDULE_FREE_BETAS, ArmRun, ArmSpec, Task, analyse, format_mean_std,
+                       cpu_description, plot_loss_curves, preset_config, run_arms, run_metadata, sweep_lr)
+from .tasks import get_task
 
-from .tasks import Task, get_task
-
-HYBRID_STEP_FACTOR = 1.5
 PHASE_COLOURS = {"WARMUP": "#dddddd", "FULL": "#cfe2f3", "PREDICT": "#d9ead3", "CORRECT": "#fce5cd"}
 
-
-@dataclass
-class ArmSpec:
-    name: str
-    lr: float
-    config: HybridConfig | None = None  # None: plain loop
-    average: bool = False  # plain loop evaluated at its lag-corrected weight average (a control)
-    # Schedule-free AdamW (``schedulefree.AdamWScheduleFree``) with this many warm-up steps instead
-    # of AdamW; None: AdamW. Evaluated at its averaged weights (optimizer.eval()).
-    schedule_free_warmup: int | None = None
-    # Muon (``torch.optim.Muon``) at this rate over the hidden matrices (:func:`hidden_matrices`)
-    # and AdamW at ``lr`` over the rest, as one ``CombinedOptimizer``; None: AdamW alone.
-    muon_lr: float | None = None
-
-    @property
-    def schedule_free(self) -> bool:
-        return self.schedule_free_warmup is not None
-
-    @property
-    def muon(self) -> bool:
-        return self.muon_lr is not None
-
-    @property
-    def hybrid(self) -> bool:
-        return self.config is not None
-
-
-@dataclass
-class ArmRun:
-    """One arm on one seed, advanced chunk by chunk."""
-
-    spec: ArmSpec
-    task: Task
-    seed: int
-    budget: int
-    model: torch.nn.Module = field(init=False)
-    curve: list[dict] = field(default_factory=list)  # eval points
-    phases: list[tuple[float, str]] = field(default_factory=list)  # (time at step start, phase)
-    train_time: float = 0.0
-    steps: int = 0
-    backward: int = 0
-    forward: int = 0
-
-    def __post_init__(self):
-        self.model = self.task.make_model(self.seed)
-        self.optimizer = make_optimizer(self.spec, self.model)
-        self.stream = self.task.batches(self.seed)
-        self.trainer = (HybridTrainer(self.model, self.optimizer, self.task.loss_fn, self.spec.config)
-                        if self.spec.hybrid else None)
-        self.average = WeightAverage(list(self.model.parameters())) if self.spec.average else None
-        self._eval()
-
-    @property
-    def done(self) -> bool:
-        return self.steps >= self.budget
-
-    def run_chunk(self, n: int, record_phases: bool) -> None:
-        n = min(n, self.budget - self.steps)
-        batches = [next(self.stream) for _ in range(n)]  # data loading is not training time
-        start = train_clock(self.task.device)
-        if self.trainer is None:
-            for batch in batches:
-                self.plain_step(batch)
-            self.backward += n
-            self.forward += n
-        else:
-            for batch in batches:
-                if record_phases:  # host clock, no sync: each trainer step reads its loss, so it is close
-                    self.phases.append((self.train_time + time.perf_counter() - start, self.trainer.controller.phase.value))
-                self.trainer.step(batch)
-            s = self.trainer.stats
-            self.backward, self.forward = s.backward_passes, s.forward_passes
-        self.train_time += train_clock(self.task.device) - start
-        self.steps += n
-        self._eval()
-
-    def plain_step(self, batch) -> None:
-        """One step of the plain AdamW loop (subclasses add to it, e.g. ``bench.lr_control``)."""
-        self.optimizer.zero_grad(set_to_none=True)
-        self.task.loss_fn(self.model, batch).backward()
-        self.optimizer.step()
-        if self.average is not None:
-            self.average.update()
-
-    def _eval(self) -> None:
-        self.model.eval()
-        if self.spec.schedule_free:
-            averaged = schedule_free_evaluation(self.optimizer)
-        elif self.average is not None:
-            averaged = self.average.swapped_in()
-        elif self.trainer is not None and self.trainer.weight_average is not None:
-            averaged = self.trainer.averaged_weights()
-        else:
-            averaged = contextlib.nullcontext()
-        with averaged:
-            val = self.task.val_loss(self.model)
-        self.model.train()
-        self.curve.append(dict(step=self.steps, time=self.train_time, val_loss=val,
-                               backward=self.backward, forward=self.forward))
-
-    def hybrid_stats(self) -> dict[str, Any] | None:
-        if self.trainer is None:
-            return None
-        s = self.trainer.statistics()
-        keep = ("predicted_steps", "predicted_steps_kept", "predicted_steps_rolled_back", "verifications",
-                "verifications_accepted", "predict_phases", "predict_phases_rejected", "backward_saved_fraction",
-                "prediction_enabled", "prediction_disabled_reason", "predicted_step_worth", "time_by_phase_s",
-                "steps_by_phase", "dynamics_error_by_horizon", "loss_noise_std", "divergence_rollbacks",
-                "required_worth", "prediction_overhead")
-        s["cost_seconds"] = None if self.trainer.cost is None else dict(self.trainer.cost.seconds)
-        keep = keep + ("cost_seconds",)
-        return {k: s[k] for k in keep}
-
-
-def hidden_matrices(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """Muon's share of a model: the weight of every ``nn.Linear`` except an output layer (the last
-    module of an ``nn.Sequential`` model). Embeddings, positions, biases, norms and an output
-    layer stay with AdamW, as Muon's authors train them; the char-LM's output is its tied
-    embedding, so all its ``nn.Linear`` weights are hidden."""
-    output = model[-1] if isinstance(model, torch.nn.Sequential) else None
-    return [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not output]
-
-
-def make_optimizer(spec: ArmSpec, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """AdamW at ``spec.lr`` (with :data:`ADAMW_OPTIONS`) over ``model``'s parameters, or what the
-    arm asks instead: schedule-free AdamW, or Muon over the hidden matrices with AdamW over the rest."""
-    params = list(model.parameters())
-    if spec.muon:
-        hidden = {id(p) for p in hidden_matrices(model)}
-        return CombinedOptimizer(
-            torch.optim.Muon([p for p in params if id(p) in hidden], lr=spec.muon_lr, weight_decay=ADAMW_WEIGHT_DECAY),
-            torch.optim.AdamW([p for p in params if id(p) not in hidden], lr=spec.lr, **ADAMW_OPTIONS))
-    if not spec.schedule_free:
-        return torch.optim.AdamW(params, lr=spec.lr, **ADAMW_OPTIONS)
-    import schedulefree  # the bench extra; only schedule-free arms need it
-
-    optimizer = schedulefree.AdamWScheduleFree(params, lr=spec.lr, warmup_steps=spec.schedule_free_warmup,
-                                               betas=SCHEDULE_FREE_BETAS, weight_decay=ADAMW_WEIGHT_DECAY)
-    optimizer.train()
-    return optimizer
-
-
-@contextlib.contextmanager
-def schedule_free_evaluation(optimizer: torch.optim.Optimizer):
-    """The parameters at schedule-free's averaged point for the block, then back at the point its
-    gradients are taken (the library's ``eval()``/``train()`` pair; the pair is what every
-    schedule-free loop runs around evaluation, so plain and hybrid arms pay it alike)."""
-    optimizer.eval()
-    try:
-        yield
-    finally:
-        optimizer.train()
-
-
-def train_clock(device: torch.device) -> float:
-    """``time.perf_counter()`` (s) once all work queued on ``device`` has run: CUDA kernels run
-    asynchronously, so an unsynchronised clock would miss them (or charge them to evaluation)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
-# ------------------------------------------------------------------------------ analysis ----
-def interpolate(curve: list[dict], key: str, x: float, value: str = "val_loss") -> float:
-    """Linear interpolation of ``value`` at ``key == x`` along an eval curve (clamped to its ends)."""
-    pts = [(p[key], p[value]) for p in curve]
-    if x <= pts[0][0]:
-        return pts[0][1]
-    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
-        if x0 <= x <= x1:
-            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-    return pts[-1][1]
-
-
-def first_crossing(curve: list[dict], target: float) -> dict | None:
-    """Time/passes when the validation loss first reaches ``target`` (linear within an interval)."""
-    for p0, p1 in zip(curve, curve[1:]):
-        if p1["val_loss"] <= target:
-            if p0["val_loss"] <= target:
-                return dict(time=p0["time"], backward=p0["backward"], forward=p0["forward"], step=p0["step"])
-            f = (p0["val_loss"] - target) / (p0["val_loss"] - p1["val_loss"])
-            return {k: p0[k] + f * (p1[k] - p0[k]) for k in ("time", "backward", "forward", "step")}
-    return None
-
-
-def mean_std(values: list[float]) -> dict[str, float | None]:
-    vals = [v for v in values if v is not None and math.isfinite(v)]
-    if not vals:
-        return {"mean": None, "std": None, "n": 0}
-    return {"mean": statistics.fmean(vals), "std": statistics.pstdev(vals) if len(vals) > 1 else 0.0, "n": len(vals)}
-
-
-def summarise_against_plain(task, runs: dict[str, list[dict]]) -> tuple[dict, dict[str, list[dict | None]]]:
-    """What every arm of a plain-loop comparison reports, against the ``"plain"`` arm.
-
-    ``runs``: arm → per-seed dicts whose ``curve`` has ``step``, ``time``, ``val_loss``,
-    ``backward``, ``forward``. Target: plain's mean validation loss at 80% of ``task.steps``.
-    Returns ``(dict(target_val_loss, target_step, arms={arm: summary}), crossings)`` where
-    ``crossings[arm]`` holds each seed's first crossing of the target (None where missed), for
-    arm-specific fields the caller adds."""
-    target_step = int(0.8 * task.steps)
-    target = sum(interpolate(r["curve"], "step", target_step) for r in runs["plain"]) / len(runs["plain"])
-    crossings = {arm: [first_crossing(r["curve"], target) for r in seeds] for arm, seeds in runs.items()}
-    summary = {}
-    for arm, seeds in runs.items():
-        pairs = list(zip(crossings[arm], crossings["plain"]))
-        summary[arm] = dict(
-            train_s=mean_std([r["curve"][-1]["time"] for r in seeds]),
-            final_val_loss=mean_std([r["curve"][-1]["val_loss"] for r in seeds]),
-            time_to_target_s=mean_std([c["time"] if c else None for c in crossings[arm]]),
-            reached_target=sum(c is not None for c in crossings[arm]),
-            speedup_vs_plain=mean_std([b["time"] / c["time"] if c and b else None for c, b in pairs]))
-    return dict(target_val_loss=target, target_step=target_step, arms=summary), crossings
-
-
-def plot_seed_curves(runs: dict[str, list[dict]], target: float, title: str, path: Path) -> None:
-    """Validation loss over training seconds, one colour per arm and one line per seed, the
-    target dashed (``runs``: arm → per-seed dicts whose ``curve`` has ``time`` and ``val_loss``)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for index, (arm, seeds) in enumerate(runs.items()):
-        for k, r in enumerate(seeds):
-            ax.plot([p["time"] for p in r["curve"]], [p["val_loss"] for p in r["curve"]], color=f"C{index}",
-                    alpha=0.8, lw=1.2, label=arm if k == 0 else None)
-    ax.axhline(target, color="grey", ls="--", lw=0.8, label="target")
-    ax.set_xlabel("training seconds (1 thread)")
-    ax.set_ylabel("validation loss")
-    ax.set_ylim(top=min(ax.get_ylim()[1], 1.5 * target))
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def analyse(task: Task, arms: list[ArmSpec], runs: dict[str, list[ArmRun]], baseline: str) -> dict:
-    target_step = int(0.8 * task.steps)
-    target = statistics.fmean(interpolate(r.curve, "step", target_step) for r in runs[baseline])
-    per_arm = {}
-    for spec in arms:
-        seeds = []
-        for run, base in zip(runs[spec.name], runs[baseline]):
-            cross = first_crossing(run.curve, target)
-            base_cross = first_crossing(base.curve, target)
-            t_eq = base.train_time
-            val_eq = interpolate(run.curve, "time", t_eq)
-            base_eq = interpolate(base.curve, "time", t_eq)
-            seeds.append(dict(
-                seed=run.seed, steps=run.steps, train_time_s=run.train_time, final_val_loss=run.curve[-1]["val_loss"],
-                time_to_target_s=None if cross is None else cross["time"],
-                backward_to_target=None if cross is None else cross["backward"],
-                forward_to_target=None if cross is None else cross["forward"],
-                speedup_vs_baseline=(base_cross["time"] / cross["time"]) if cross and base_cross else None,
-                val_loss_at_equal_time=val_eq,
-                loss_gap_pct_at_equal_time=100.0 * (val_eq - base_eq) / base_eq,
-                ran_past_equal_time=run.train_time >= t_eq,
-                backward_passes=run.backward, forward_passes=run.forward,
-                hybrid=run.hybrid_stats(), curve=run.curve,
-            ))
-        summary = {k: mean_std([s[k] for s in seeds]) for k in (
-            "time_to_target_s", "backward_to_target", "forward_to_target", "speedup_vs_baseline",
-            "val_loss_at_equal_time", "loss_gap_pct_at_equal_time", "final_val_loss", "train_time_s")}
-        summary["reached_target"] = sum(s["time_to_target_s"] is not None for s in seeds)
-        if spec.hybrid:
-            summary["backward_saved_pct"] = mean_std([100 * s["hybrid"]["backward_saved_fraction"] for s in seeds])
-            summary["verifications_accepted"] = sum(s["hybrid"]["verifications_accepted"] for s in seeds)
-            summary["verifications_rejected"] = sum(s["hybrid"]["verifications"] - s["hybrid"]["verifications_accepted"]
-                                                    for s in seeds)
-        per_arm[spec.name] = dict(lr=spec.lr, muon_lr=spec.muon_lr, hybrid=spec.hybrid,
-                                  config=None if spec.config is None else spec.config.to_dict(),
-                                  summary=summary, seeds=seeds)
-    return dict(target_val_loss=target, target_definition=f"mean tuned-baseline val loss at step {target_step} "
-                                                          f"(80% of {task.steps})", arms=per_arm)
-
-
-# ------------------------------------------------------------------------------ running ----
-def run_arms(task: Task, arms: list[ArmSpec], seeds: list[int], desc: str,
-             make_run: type[ArmRun] = ArmRun) -> dict[str, list[ArmRun]]:
-    """Every arm on every seed, interleaved chunk by chunk (``make_run``: an :class:`ArmRun`
-    subclass for experiments whose plain loop does more, e.g. ``bench.lr_control``)."""
-    runs: dict[str, list[ArmRun]] = {a.name: [] for a in arms}
-    total_chunks = sum(math.ceil(_budget(task, a) / task.eval_every) for a in arms) * len(seeds)
-    with tqdm(total=total_chunks, desc=desc, unit="chunk", file=sys.stderr, disable=None) as bar:
-        for seed in seeds:
-            current = [make_run(a, task, seed, _budget(task, a)) for a in arms]
-            while not all(r.done for r in current):
-                for r in current:  # interleaved: one chunk of each arm in turn
-                    if not r.done:
-                        r.run_chunk(task.eval_every, record_phases=(seed == seeds[0]))
-                        bar.update(1)
-            for r in current:
-                runs[r.spec.name].append(r)
-    return runs
-
-
-def _budget(task: Task, arm: ArmSpec) -> int:
-    return int(task.steps * HYBRID_STEP_FACTOR) if arm.hybrid else task.steps
+SCHEDULE_FREE_LR_FACTORS = (2.5, 5, 7.5)  # × the tuned AdamW rate
+SCHEDULE_FREE_WARMUP_FRACTIONS = (0, 1 / 3)  # × the step budget
+# Muon (Jordan et al. 2024; ``torch.optim.Muon``): momentum SGD whose update of each hidden weight
+# matrix is orthogonalised by a Newton-Schulz iteration. Its rate is on another scale than
+# AdamW's (torch's default adjustment), so it gets its own grid; AdamW trains the rest.
+MUON_LRS = (0.01, 0.02, 0.04)
+MUON_ADAMW_LR_FACTORS = (1, 2)  # × the tuned AdamW rate, for the parameters Muon does not train
+# Rates swept (× the tuned one) for runs evaluated at their weight average: the average removes
+# the oscillation a larger rate adds, so its best rate can be higher than the raw iterate's.
+AVERAGE_LR_FACTORS = (1, 2, 4)
 
 
 def sweep_schedule_free(task: Task, seed: int, tuned_lr: float) -> tuple[tuple[float, int], dict[str, float]]:
@@ -383,86 +85,6 @@ def sweep_muon(task: Task, seed: int, tuned_lr: float) -> tuple[tuple[float, flo
     finals = {a.name.removeprefix("sweep "): runs[a.name][0].curve[-1]["val_loss"] for a in arms}
     best = min(grid, key=lambda g: finals[f"muon={g[0]:g} adamw={g[1]:g}"])
     return best, finals
-
-
-def sweep_lr(task: Task, seed: int, lrs: list[float] | None = None, average: bool = False
-             ) -> tuple[float, dict[str, float]]:
-    """The learning rate of ``lrs`` (default: the task's grid) with the lowest final validation
-    loss of a plain AdamW run, evaluated at its weight average when ``average``."""
-    lrs = task.lr_grid if lrs is None else lrs
-    arms = [ArmSpec(f"sweep lr={lr:g}", lr, average=average) for lr in lrs]
-    runs = run_arms(task, arms, [seed], desc=f"{task.name}: lr sweep" + (" (weight average)" if average else ""))
-    finals = {a.name.split("=")[1]: runs[a.name][0].curve[-1]["val_loss"] for a in arms}
-    best = min(lrs, key=lambda lr: finals[f"{lr:g}"])
-    return best, finals
-
-
-# Extra AdamW arguments for every arm and sweep (``--fused-adamw``: {"fused": True}). A fused
-# optimizer lets the trainer launch its update before reading its guard's values (the update is
-# skipped on the device when they are not finite), which a GPU step otherwise waits for.
-ADAMW_OPTIONS: dict[str, object] = {}
-
-PRESETS = ("default", "conservative", "aggressive", "no-predict", "weight-average", "schedule-free", "muon", "forced",
-           "muon-forced")
-MUON_PRESETS = ("muon", "muon-forced")  # the presets whose optimizer is Muon + AdamW
-# Schedule-free AdamW (Defazio et al. 2024, the ``schedulefree`` package): its gradients are taken
-# between an SGD-like iterate and the running average of it, and the average is what it evaluates.
-# Betas (0.95, 0.95) from ``python -m bench.schedule_free`` (charlm seed 0: the target crossed at
-# step 267, against 286-290 with beta2 0.999; AdamW with beta2 0.95 got slower, so the baseline
-# keeps the defaults); the weight decay matches AdamW's default. Rate and warm-up come from a
-# sweep (:func:`sweep_schedule_free`).
-SCHEDULE_FREE_BETAS = (0.95, 0.95)
-ADAMW_WEIGHT_DECAY = 0.01
-SCHEDULE_FREE_LR_FACTORS = (2.5, 5, 7.5)  # × the tuned AdamW rate
-SCHEDULE_FREE_WARMUP_FRACTIONS = (0, 1 / 3)  # × the step budget
-# Muon (Jordan et al. 2024; ``torch.optim.Muon``): momentum SGD whose update of each hidden weight
-# matrix is orthogonalised by a Newton-Schulz iteration. Its rate is on another scale than
-# AdamW's (torch's default adjustment), so it gets its own grid; AdamW trains the rest.
-MUON_LRS = (0.01, 0.02, 0.04)
-MUON_ADAMW_LR_FACTORS = (1, 2)  # × the tuned AdamW rate, for the parameters Muon does not train
-# Prediction at every phase decision, whatever it is worth, and never switched off: what the
-# worth gate saves a run from (the ``forced`` preset), and the warm-up's way to reach every kernel.
-FORCED_PREDICTION = dict(min_predicted_worth=-1.0, confidence_threshold=0.0, cost_aware=False,
-                         max_consecutive_rejections=10**6, max_consecutive_declines=10**6)
-# Rates swept (× the tuned one) for runs evaluated at their weight average: the average removes
-# the oscillation a larger rate adds, so its best rate can be higher than the raw iterate's.
-AVERAGE_LR_FACTORS = (1, 2, 4)
-
-
-def preset_config(name: str) -> HybridConfig:
-    """``no-predict`` is the trainer with prediction off: what its safety layer alone costs;
-    ``weight-average`` the default config evaluated at its lag-corrected weight average;
-    ``forced`` the default config predicting at every phase decision (:data:`FORCED_PREDICTION`);
-    ``schedule-free`` and ``muon`` the default config over another optimizer, ``muon-forced``
-    the forced one over Muon + AdamW."""
-    if name == "default":
-        return HybridConfig()
-    if name in ("forced", "muon-forced"):
-        return HybridConfig(**FORCED_PREDICTION)
-    if name == "no-predict":
-        return HybridConfig(predict=False)
-    if name == "weight-average":
-        return HybridConfig(weight_average=True)
-    if name in ("schedule-free", "muon"):  # the default config; the arm's optimizer is what differs
-        return HybridConfig()
-    if name in PRESETS:
-        return getattr(HybridConfig, name)()
-    raise ValueError(f"--presets: each must be one of {PRESETS}, got {name!r}")
-
-
-def training_step(task: Task, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                  trainer: HybridTrainer | None) -> Callable[[Any], None]:
-    """One training step on a batch: ``trainer.step``, or the plain loop's zero_grad, backward and
-    optimizer step when ``trainer`` is None (the diagnosis benchmarks time both the same way)."""
-    if trainer is not None:
-        return trainer.step
-
-    def plain(batch) -> None:
-        optimizer.zero_grad(set_to_none=True)
-        task.loss_fn(model, batch).backward()
-        optimizer.step()
-
-    return plain
 
 
 WARM_UP_STEPS = 150  # past the trainer's first phase decisions (step 80), so every kernel it uses has run
@@ -536,14 +158,6 @@ def benchmark_task(name: str, quick: bool, n_seeds: int, presets: list[str], dev
     return result
 
 
-# ------------------------------------------------------------------------------ reporting ----
-def format_mean_std(ms: dict, digits: int = 3, pct: bool = False) -> str:
-    if ms["mean"] is None:
-        return "not reached"
-    unit = "%" if pct else ""
-    return f"{ms['mean']:.{digits}f}{unit} ± {ms['std']:.{digits}f}" if ms["n"] > 1 else f"{ms['mean']:.{digits}f}{unit}"
-
-
 def _num(value, digits: int = 3) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
@@ -602,25 +216,6 @@ def _worth_text(h: dict) -> str:
             + (", ms: " + ", ".join(f"{k} {1e3 * v:.2f}" for k, v in costs.items()) if costs else "") + "), ")
 
 
-def seed_style(arm_index: int, seed_index: int, name: str) -> dict:
-    """Line style of one seed's curve: the arm's colour, the first seed bold and labelled."""
-    first = seed_index == 0
-    return dict(color=f"C{arm_index}", lw=1.6 if first else 0.8, alpha=1.0 if first else 0.5,
-                label=name if first else None)
-
-
-def plot_loss_curves(ax, result: dict) -> None:
-    """Validation loss vs training wall-clock of every arm and seed, with the target line."""
-    for i, (name, arm) in enumerate(result["arms"].items()):
-        for j, seed in enumerate(arm["seeds"]):
-            ax.plot([p["time"] for p in seed["curve"]], [p["val_loss"] for p in seed["curve"]], **seed_style(i, j, name))
-    ax.axhline(result["target_val_loss"], color="black", ls="--", lw=0.8, label="target")
-    ax.set_xlabel("training wall-clock (s)")
-    ax.set_ylabel("validation loss")
-    lows = [p["val_loss"] for a in result["arms"].values() for s in a["seeds"] for p in s["curve"]]
-    ax.set_ylim(min(lows) * 0.98, result["target_val_loss"] + 3 * (result["target_val_loss"] - min(lows)) + 1e-3)
-
-
 def plot(result: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -658,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("docs/results"))
     args = parser.parse_args(argv)
     if args.fused_adamw:
-        ADAMW_OPTIONS["fused"] = True
+        protocol.ADAMW_OPTIONS["fused"] = True  # read by protocol.make_optimizer for every arm
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error(f"argument --device: cuda asked for, but torch {torch.__version__} sees no CUDA GPU "
                      "(torch.cuda.is_available() is False)")
@@ -666,17 +261,23 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     tasks = args.tasks or (["digits", "charlm"] if args.quick else ["charlm", "fashion", "digits"])
     presets = args.presets or ["default", "weight-average", "schedule-free", "muon", "no-predict"]
+    if not hasattr(torch.optim, "Muon"):  # torch.optim.Muon exists from torch 2.9
+        if args.presets and any(p in MUON_PRESETS for p in presets):
+            parser.error(f"--presets: {' and '.join(MUON_PRESETS)} need torch.optim.Muon (torch >= 2.9), "
+                         f"this is torch {torch.__version__}")
+        presets = [p for p in presets if p not in MUON_PRESETS]
+        print(f"torch {torch.__version__} has no torch.optim.Muon (torch >= 2.9): the muon arms are left out",
+              file=sys.stderr)
     for name in presets:
         preset_config(name)  # a bad name fails here, not after the first task's runs
     args.out.mkdir(parents=True, exist_ok=True)
     command = "python -m bench.e2e" + (" --quick" if args.quick else "") + (
         f" --tasks {' '.join(args.tasks)}" if args.tasks else "") + (f" --seeds {args.seeds}" if args.seeds != 3 else "") + (
         f" --presets {' '.join(args.presets)}" if args.presets else "") + (
-        f" --device {args.device}" if args.device != "cpu" else "") + (" --fused-adamw" if args.fused_adamw else "")
-    meta = dict(command=command, date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                device=f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores"
-                if args.device == "cpu" else torch.cuda.get_device_name(0),
-                torch=torch.__version__, threads=torch.get_num_threads(), python=platform.python_version())
+        f" --device {args.device}" if args.device != "cpu" else "") + (" --fused-adamw" if args.fused_adamw else "") + (
+        f" --out {args.out}" if args.out != Path("docs/results") else "")
+    meta = run_metadata(command, device=cpu_description() if args.device == "cpu" else torch.cuda.get_device_name(0),
+                        threads=torch.get_num_threads())
     results = []
     suffix = ("_quick" if args.quick else "") + ("_cuda" if args.device == "cuda" else "") + (
         "_fused" if args.fused_adamw else "")

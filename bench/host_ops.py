@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime as dt
 import json
 import statistics
 import sys
@@ -28,6 +27,8 @@ from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from .protocol import run_metadata
 
 
 def _caller(frame, package: str) -> str | None:
@@ -108,7 +109,7 @@ def count_arm(task, arm: str, warmup: int, steps: int, lr: float) -> dict:
     """Ops per step of one arm: median, max, and the mean per caller over the counted steps."""
     from hybrid_trainer import HybridTrainer
 
-    from .e2e import preset_config, training_step
+    from .protocol import preset_config, training_step
 
     model = task.make_model(0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, foreach=True)
@@ -170,8 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     command = "python -m bench.host_ops " + " ".join(sys.argv[1:] if argv is None else argv)
-    results = dict(command=command.strip(), date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                   torch=torch.__version__, tasks={})
+    results = dict(run_metadata(command), tasks={})
     for name in args.tasks:
         task = get_task(name, quick=args.quick)
         lr = task.lr_grid[len(task.lr_grid) // 2]

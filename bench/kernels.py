@@ -14,7 +14,6 @@ reference implementation).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import platform
@@ -25,6 +24,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from .protocol import run_metadata
 
 QUICK_FILTER = "not 100M and not 16M and not N1024 and not E8"
 
@@ -148,12 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m bench.kernels" + (" --quick" if args.quick else "") + (
         f" -k '{args.keyword}'" if args.keyword else "")
     result = {
-        "command": command,
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        **run_metadata(command),
         "device": device_name,
-        "torch": torch.__version__,
         "triton": _version("triton"),
-        "python": platform.python_version(),
         "threads": torch.get_num_threads(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "1"),
         "path": "triton (compiled)" if torch.cuda.is_available() else "eager PyTorch (CPU)",

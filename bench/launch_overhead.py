@@ -21,7 +21,6 @@ second-session section came from the throwaway probe this module was written fro
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import importlib
 import json
 import math
@@ -31,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from .protocol import run_metadata
 from .kernels import device_tag
 
 fa = importlib.import_module("hybrid_kernels.flash_attention")  # the module, not the re-exported function
@@ -127,7 +127,7 @@ def quantize_rows() -> dict[str, dict[str, float]]:
 def trainer_step_ms(fused: bool) -> dict[str, float]:
     from hybrid_trainer import HybridTrainer
 
-    from .e2e import preset_config, training_step
+    from .protocol import preset_config, training_step
     from .tasks import get_task
 
     task = get_task("fashion", device="cuda")
@@ -179,9 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("needs a CUDA GPU: it measures launch and host costs there")
     torch.set_num_threads(1)
     tag, name = device_tag()
-    result = dict(command="python -m bench.launch_overhead", device=name, torch=torch.__version__,
-                  triton=__import__("triton").__version__,
-                  date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
+    result = run_metadata("python -m bench.launch_overhead", device=name, triton=__import__("triton").__version__)
     result["flash_forward"] = [dict(shape=list(s), times=flash_forward_split(s)) for s in FLASH_SHAPES]
     result["flash_forward_backward"] = []
     for shape in FLASH_SHAPES:

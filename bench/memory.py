@@ -2,7 +2,7 @@
 
     python -m bench.memory [--quick] [--out docs/results]
 
-All three parts run in one invocation on real data (shared/design.md §4):
+All three parts run in one invocation on real data:
 
 a. **Gradient checkpointing** on the benchmark transformer (``bench.tasks`` charlm, full-size
    config, its batch size), every ``GPTBlock`` checkpointed vs none, on the same model and batch:
@@ -39,12 +39,10 @@ Output: ``<out>/memory_cpu.json``, ``memory_cpu.md`` and ``memory_cpu.png`` (``_
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import gc
 import json
 import math
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -63,6 +61,7 @@ from hybrid_trainer import HybridConfig, HybridTrainer
 from hybrid_trainer.grad_checkpoint import GradientCheckpointing
 from hybrid_trainer.predictor import DeltaPredictor
 
+from .protocol import cpu_description, run_metadata
 from .tasks import GPTBlock, get_task
 
 MB = 1e6  # figures are reported in decimal megabytes
@@ -469,10 +468,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     timing_steps, history_steps, leak_steps, leak_chunk = (6, 6, 300, 50) if args.quick else (20, 20, 2000, 100)
     command = "python -m bench.memory" + (" --quick" if args.quick else "")
-    meta = dict(command=command, date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                device=f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores",
-                torch=torch.__version__, threads=torch.get_num_threads(), python=platform.python_version(),
-                omp_num_threads=os.environ.get("OMP_NUM_THREADS"),
+    meta = run_metadata(command, device=cpu_description(), threads=torch.get_num_threads(),
+                        omp_num_threads=os.environ.get("OMP_NUM_THREADS"),
                 kernel_backend="eager (HYBRID_KERNELS_BACKEND=eager, no TRITON_INTERPRET)")
     print("a. gradient checkpointing (charlm)", file=sys.stderr)
     checkpointing = measure_checkpointing(timing_steps)

@@ -18,14 +18,13 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 from hybrid_trainer import HybridTrainer
 
-from .e2e import preset_config, train_clock
+from .protocol import preset_config, run_metadata, train_clock
 from .tasks import get_task
 
 
@@ -101,8 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    step {r['step']:4d} {r['phase']:8s} {r['ms']:9.2f} ms  kernels compiled {r['kernels_compiled']}")
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"step_times_{args.task}_{args.device}.json"
-    path.write_text(json.dumps(dict(command="python -m bench.step_times " + " ".join(argv or sys.argv[1:]),
-                                    date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), torch=torch.__version__,
+    path.write_text(json.dumps(dict(run_metadata("python -m bench.step_times " + " ".join(argv or sys.argv[1:])),
                                     device=args.device, task=args.task, preset=args.preset, lr=lr,
                                     triton_cache_dir=None if cache_dir is None else str(cache_dir), runs=runs),
                                indent=1))

@@ -19,7 +19,6 @@ file; the table in docs/results names the run. Needs CUDA.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import importlib
 import itertools
 import json
@@ -31,6 +30,7 @@ import torch
 
 # The module, not the package's re-exported function of the same name.
 fa = importlib.import_module("hybrid_kernels.flash_attention")
+from .protocol import run_metadata
 from .kernels import device_tag
 
 # (B, H, N, D). D = 64 only, fp16 only: each configuration compiles four kernels per
@@ -179,10 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     tag, name = device_tag()
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"flash_tuning_{tag}.json"
-    meta = dict(command="python -m bench.tune_flash_attention " + " ".join(sys.argv[1:] if argv is None else argv),
-                timer="triton.testing.do_bench_cudagraph (device time, median)",
-                date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), device=name,
-                torch=torch.__version__, triton=__import__("triton").__version__)
+    meta = run_metadata("python -m bench.tune_flash_attention " + " ".join(sys.argv[1:] if argv is None else argv),
+                        timer="triton.testing.do_bench_cudagraph (device time, median)", device=name,
+                        triton=__import__("triton").__version__)
     results = []
     for shape, dtype, causal in cases:
         print(f"tuning {shape} {dtype} causal={causal} over {len(configs)} configurations", flush=True)

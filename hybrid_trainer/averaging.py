@@ -10,7 +10,7 @@ faster one forward by its lag gives an estimate of where the smoothed trajectory
     drift = (fast − slow) / (lag_slow − lag_fast)
     estimate = fast + lag_fast · drift
 
-``python -m bench.nowcast`` measured it (docs/results/nowcast.md): evaluating plain AdamW at this
+``python -m experiments.nowcast`` measured it (experiments/results/nowcast.md): evaluating plain AdamW at this
 estimate, training going on from the iterate, reached the target validation loss 1.19× sooner in
 steps on Fashion-MNIST and 1.06× on the char-LM, with the lowest final loss of every arm; moving
 the *training* iterate there did not help. So the estimate is for evaluation and export

@@ -353,10 +353,11 @@ class MemoryProfiler:
 
     def plot(self, path) -> None:
         """Memory in use (and the allocator high-water mark) over the kept steps, points coloured by phase (PNG etc.)."""
+        from .metrics import PHASE_COLOURS, require_matplotlib
+
+        require_matplotlib("MemoryProfiler.plot")
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
-
-        from .metrics import PHASE_COLOURS
 
         # A Figure with its own Agg canvas: no pyplot, so the global backend and figure registry stay untouched.
         figure = Figure(figsize=(9, 4))

@@ -167,6 +167,16 @@ def _phase_spans(records: list[dict]) -> list[tuple[str, int, int]]:
     return spans
 
 
+def require_matplotlib(feature: str) -> None:
+    """Plots need matplotlib, an optional dependency (the ``plot`` extra); the trainer trains
+    without it. Raises ImportError naming the extra when it is missing."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as error:
+        raise ImportError(f"{feature} draws with matplotlib, which is not installed: "
+                          "pip install 'hybrid-trainer[plot]' (or matplotlib)") from error
+
+
 def plot_run(records: list[dict] | str | os.PathLike, path: str | os.PathLike, title: str | None = None,
              log_scale: bool | None = None) -> None:
     """Save a PNG of loss over steps with phases shaded.
@@ -193,6 +203,7 @@ def plot_run(records: list[dict] | str | os.PathLike, path: str | os.PathLike, t
     records.sort(key=lambda r: r["step"])  # stable: several records at one step keep their order
 
     # Build the figure without pyplot: no global backend switch, no figure registry, safe in any process.
+    require_matplotlib("plot_run")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D

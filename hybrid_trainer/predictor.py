@@ -157,7 +157,7 @@ class DeltaPredictor:
         else:
             # Bias-corrected, as Adam's moments: update k of n weighs (1 − β) β^(n−k) / (1 − βⁿ).
             # Starting the plain EMA at the first update instead gave that one update the weight
-            # β^(n−1) (0.36 after 51 updates at β 0.98), and bench.scheduled measured the harm.
+            # β^(n−1) (0.36 after 51 updates at β 0.98), and experiments.scheduled measured the harm.
             self._ema_flat.lerp_(update, (1 - self.ema_beta) / (1 - self.ema_beta ** (self.n_updates + 1)))
         if self.direction_kind == "linear":
             codes, block_scales = hk.quantize_int8(update, "block", block_size=_HISTORY_BLOCK)

@@ -3,7 +3,7 @@
 A verification compares a forward-only loss on the current batch with two references: the
 loss real training was expected to reach by now (the dynamics model's band) and the last
 verified loss. Batch-to-batch loss noise is larger than the gain of a few predicted steps
-(notes/feasibility.md: a raw comparison of two noisy numbers rejected ~100%), so the slack is
+(an early feasibility probe: a raw comparison of two noisy numbers rejected ~100%), so the slack is
 ``max(loss_tolerance · |reference|, noise_z · σ_batch)`` where ``σ_batch`` is the measured
 standard deviation of real-step losses around their trend.
 """

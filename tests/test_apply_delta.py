@@ -125,7 +125,11 @@ def test_alpha_accepts_real_numbers_of_any_kind(device):
 
 
 def test_empty_list_is_a_no_op():
-    hk.apply_delta_([], [])
+    """No tensors: nothing to do and nothing to report, but the arguments are still checked."""
+    norms = torch.empty(0)
+    assert hk.apply_delta_([], [], 1.0, out_norms=norms) is None and norms.shape == (0,)
+    with pytest.raises(ValueError, match="deltas has 1 tensors but params has 0"):
+        hk.apply_delta_([], [torch.zeros(3)], 1.0)
 
 
 @pytest.mark.parametrize("call, match", [

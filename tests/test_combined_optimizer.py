@@ -15,7 +15,8 @@ from _digits import batches, cross_entropy, digits_tensors, mlp
 from _resume import assert_resume_reproduces
 from _rollback import reject_a_prediction_and_check_the_optimizer_untouched
 
-pytestmark = pytest.mark.usefixtures("eager_backend")  # the CPU path, not the Triton interpreter
+pytestmark = [pytest.mark.usefixtures("eager_backend"),  # the CPU path, not the Triton interpreter
+              pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon needs torch >= 2.9")]
 
 
 @pytest.fixture(scope="module")

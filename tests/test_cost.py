@@ -47,6 +47,7 @@ def test_partial_calibration_counts_only_finished_parts():
                                                          "dynamics_training": False}
 
 
+@pytest.mark.slow
 def test_cost_gate_switches_off_machinery_that_costs_more_than_the_step():
     """A tiny MLP with an oversized dynamics model: whatever a predicted step is worth, the
     encoder and dynamics model cost more than it saves. Cost-aware, prediction switches off;

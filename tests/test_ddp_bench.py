@@ -4,6 +4,7 @@ import json
 import pytest
 
 from bench import ddp
+from _images import assert_plot
 
 
 def _seed(arm, seed, train_s, digest, agree=True):
@@ -30,6 +31,7 @@ def test_summary_compares_each_arm_with_the_plain_loop_and_checks_the_weights():
     assert not ddp.summarise(runs)["no_predict_is_plain_bit_for_bit"]
 
 
+@pytest.mark.slow
 def test_two_rank_run_writes_every_arm_with_identical_ranks(tmp_path, monkeypatch):
     monkeypatch.setenv("HYBRID_KERNELS_BACKEND", "eager")
     result = ddp.main(["--task", "digits", "--steps", "60", "--seeds", "1", "--out", str(tmp_path)])
@@ -46,7 +48,8 @@ def test_two_rank_run_writes_every_arm_with_identical_ranks(tmp_path, monkeypatc
     kinds = forced["steps_by_kind"]
     assert forced["predicted_steps"] > 0  # a PREDICT phase starts after 20 warm-up and 20 FULL steps
     assert forced["predicted_steps"] == kinds.get("predicted", 0) + kinds.get("predicted, verified", 0)
-    assert (tmp_path / "ddp_digits.png").stat().st_size > 0 and "plain DDP" in (tmp_path / "ddp.md").read_text()
+    assert_plot(tmp_path / "ddp_digits.png", (10, 4), dpi=110)
+    assert "plain DDP" in (tmp_path / "ddp.md").read_text()
 
 
 def test_bad_arguments_name_themselves(tmp_path, capsys):

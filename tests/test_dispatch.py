@@ -35,6 +35,7 @@ def _run_python(code, **env):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
+@pytest.mark.slow
 def test_cpu_without_interpreter_runs_eager_and_refuses_forced_triton():
     code = (
         "import torch, hybrid_kernels as hk\n"
@@ -49,6 +50,7 @@ def test_cpu_without_interpreter_runs_eager_and_refuses_forced_triton():
     assert lines[1].startswith("refused:") and "TRITON_INTERPRET" in lines[1]
 
 
+@pytest.mark.slow
 def test_package_works_without_triton():
     """Triton wheels exist for Linux only; elsewhere every op must still run (eager)."""
     code = (

@@ -77,6 +77,7 @@ def single_process_run(steps, config, accumulation=1, poisoned_step=None):
     return records, [p.detach() for p in trainer.params]
 
 
+@pytest.mark.slow
 def test_ranks_take_the_same_path_through_every_phase_verdict_and_refusal(ddp_runs):
     results = ddp_runs["train"]
     assert_ranks_agree(results)
@@ -90,6 +91,7 @@ def test_ranks_take_the_same_path_through_every_phase_verdict_and_refusal(ddp_ru
     assert stats["skipped_steps"] == 1
 
 
+@pytest.mark.slow
 def test_ddp_run_is_the_single_process_run_on_the_concatenated_batches(ddp_runs):
     """Also holds with rank 1's dynamics model perturbed: rank 0's forecast is every rank's."""
     result = ddp_runs["train"][0]
@@ -104,6 +106,7 @@ def test_ddp_run_is_the_single_process_run_on_the_concatenated_batches(ddp_runs)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_collectives_per_step_are_the_documented_ones(ddp_runs):
     """One mean per real step and per verification; predicted steps between verifications
     communicate nothing (a forecast broadcast or a calibrated timing rides on a real step)."""
@@ -116,11 +119,13 @@ def test_collectives_per_step_are_the_documented_ones(ddp_runs):
     assert any(r[0] == "PREDICT" and not r[2] for r in result["records"])
 
 
+@pytest.mark.slow
 def test_an_unwrapped_model_on_a_process_group_trains_alone(ddp_runs):
     solo, idle = ddp_runs["unwrapped"]
     assert solo["steps"] == 30 and solo["predicted"] > 0 and idle["steps"] == 0
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_all_reduces_once_per_step(ddp_runs):
     """With gradient checkpointing on too: the wrapped model's module names are the user's."""
     results = ddp_runs["accumulate"]
@@ -133,6 +138,7 @@ def test_gradient_accumulation_all_reduces_once_per_step(ddp_runs):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_rank_0_writes_the_metrics_and_each_rank_its_own_emergency_checkpoint(ddp_runs):
     out_dir = ddp_runs["out_dir"]
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
@@ -146,6 +152,7 @@ def test_rank_0_writes_the_metrics_and_each_rank_its_own_emergency_checkpoint(dd
     assert not os.path.exists(os.path.join(out_dir, "emergency.pt"))
 
 
+@pytest.mark.slow
 def test_calibrated_costs_are_the_same_on_every_rank(ddp_runs):
     """Each rank times its own steps; the thresholds built on them must agree."""
     assert_ranks_agree(ddp_runs["costs"])
@@ -154,6 +161,7 @@ def test_calibrated_costs_are_the_same_on_every_rank(ddp_runs):
     assert costs[1] == costs[0]
 
 
+@pytest.mark.slow
 def test_resume_under_ddp_reproduces_the_uninterrupted_run_on_every_rank(ddp_runs):
     """One file, written by rank 0, holds every rank's random streams (the loss draws dropout)."""
     uninterrupted, resumed = ddp_runs["uninterrupted"], ddp_runs["resumed"]
@@ -167,16 +175,19 @@ def test_resume_under_ddp_reproduces_the_uninterrupted_run_on_every_rank(ddp_run
     assert not torch.equal(uninterrupted[0]["draw"], uninterrupted[1]["draw"])  # the ranks' streams differ
 
 
+@pytest.mark.slow
 def test_ranks_configured_differently_are_refused_at_construction(ddp_runs):
     errors = [r["error"] for r in ddp_runs["mismatched"]]
     assert all(e is not None and "verify_every" in e for e in errors), errors
 
 
+@pytest.mark.slow
 def test_a_trained_tensor_outside_the_ddp_model_is_refused_at_construction(ddp_runs):
     errors = [r["error"] for r in ddp_runs["outside_model"]]
     assert all(e is not None and "outside the DistributedDataParallel model" in e for e in errors), errors
 
 
+@pytest.mark.slow
 def test_unfreezing_under_ddp_is_refused_on_every_rank(ddp_runs):
     errors = [r["error"] for r in ddp_runs["unfreeze"]]
     assert all(e is not None and "changed under DistributedDataParallel" in e for e in errors), errors
@@ -206,6 +217,7 @@ def test_a_checkpoint_of_another_number_of_ranks_resumes_with_rank_0s_streams():
     assert torch.equal(torch.rand(3), expected)
 
 
+@pytest.mark.slow
 def test_a_ddp_checkpoint_resumes_in_a_single_process(ddp_runs):
     """World size 2 -> 1: the model is no longer DDP-wrapped, so the checkpoint's weights must
     not be keyed by the wrapper (``module.``); likewise a single process's checkpoint loads under

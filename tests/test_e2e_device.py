@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from bench import e2e
+from bench import e2e, protocol
 from bench.tasks import get_task
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -36,8 +36,8 @@ def test_quick_digits_runs_on_cuda(tmp_path):
     task = get_task("digits", quick=True, device="cuda")
     x, y = next(task.batches(0))
     assert x.is_cuda and y.is_cuda
-    arms = [e2e.ArmSpec("AdamW", 3e-3), e2e.ArmSpec("HybridTrainer (default)", 3e-3, e2e.preset_config("default"))]
-    runs = e2e.run_arms(task, arms, seeds=[0], desc="cuda")
+    arms = [protocol.ArmSpec("AdamW", 3e-3), protocol.ArmSpec("HybridTrainer (default)", 3e-3, protocol.preset_config("default"))]
+    runs = protocol.run_arms(task, arms, seeds=[0], desc="cuda")
     for arm in arms:
         run = runs[arm.name][0]
         assert run.done and all(p.is_cuda for p in run.model.parameters())
@@ -47,10 +47,11 @@ def test_quick_digits_runs_on_cuda(tmp_path):
                      "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "e2e_digits_quick_cuda.json").read_text())
     assert result["meta"]["device"] == torch.cuda.get_device_name(0)
-    assert result["meta"]["command"].endswith("--device cuda")
+    assert result["meta"]["command"].endswith(f"--device cuda --out {tmp_path}")
     assert (tmp_path / "e2e_quick_cuda.md").exists() and not (tmp_path / "e2e_quick.md").exists()
 
 
+@pytest.mark.slow
 def test_warm_up_reaches_every_kernel_a_timed_run_may_use(monkeypatch):
     """Which of the trainer's kernels a run calls depends on its measured worth (the encoder and
     the dynamics model wait for the gate), so the warm-up forces prediction on once per hybrid
@@ -59,7 +60,7 @@ def test_warm_up_reaches_every_kernel_a_timed_run_may_use(monkeypatch):
 
     monkeypatch.setenv("HYBRID_KERNELS_BACKEND", "eager")
     task = get_task("digits", quick=True)
-    arms = [e2e.ArmSpec("AdamW", 3e-3), e2e.ArmSpec("HybridTrainer (default)", 3e-3, e2e.preset_config("default"))]
+    arms = [protocol.ArmSpec("AdamW", 3e-3), protocol.ArmSpec("HybridTrainer (default)", 3e-3, protocol.preset_config("default"))]
     hk.reset_backend_counts()
     runs = e2e.warm_up(task, arms, steps=e2e.WARM_UP_STEPS)
     assert [r.spec.name for r in runs] == ["AdamW", "HybridTrainer (default)", "HybridTrainer (default)"]

@@ -1,11 +1,14 @@
 """The end-to-end benchmark's output contract, on the digits smoke task (real data, seconds)."""
 import json
 
+import matplotlib.image
 import pytest
 import torch
 
-from bench import e2e
+from bench import e2e, protocol
 from bench.tasks import get_task
+
+requires_muon = pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon needs torch >= 2.9")
 
 
 @pytest.fixture(autouse=True)
@@ -13,9 +16,31 @@ def eager(monkeypatch):
     monkeypatch.setenv("HYBRID_KERNELS_BACKEND", "eager")  # CPU production path, as the benchmark runs
 
 
-def test_quick_digits_writes_json_table_and_plot(tmp_path):
-    assert e2e.main(["--quick", "--tasks", "digits", "--seeds", "2", "--out", str(tmp_path)]) == 0
-    result = json.loads((tmp_path / "e2e_digits_quick.json").read_text())
+@pytest.fixture(scope="session")
+def quick_run(tmp_path_factory):
+    """One quick run of the benchmark with its default presets (default, weight-average,
+    schedule-free, muon, no-predict), shared by the tests of its output: ``(out folder, result)``."""
+    out = tmp_path_factory.mktemp("e2e_quick")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HYBRID_KERNELS_BACKEND", "eager")
+        assert e2e.main(["--quick", "--tasks", "digits", "--seeds", "2", "--out", str(out)]) == 0
+    return out, json.loads((out / "e2e_digits_quick.json").read_text())
+
+
+def _departs_from_the_adamw_loop(result: dict, control: str) -> None:
+    """``control`` starts where the tuned AdamW loop starts (same initialisation), is evaluated on
+    the same step grid, and then reports losses of its own at (nearly) every evaluation."""
+    raw = result["arms"]["AdamW (tuned lr)"]["seeds"][0]["curve"]
+    curve = result["arms"][control]["seeds"][0]["curve"]
+    assert [p["step"] for p in curve] == [p["step"] for p in raw]
+    assert curve[0]["val_loss"] == raw[0]["val_loss"]
+    differing = sum(c["val_loss"] != r["val_loss"] for c, r in zip(curve[1:], raw[1:]))
+    assert differing >= len(raw) - 2, (control, differing, len(raw))
+
+
+@pytest.mark.slow
+def test_quick_digits_writes_json_table_and_plot(quick_run):
+    tmp_path, result = quick_run
     assert result["task"] == "digits" and result["seeds"] == [0, 1]
     assert set(result["lr_sweep"]) == {"0.001", "0.003", "0.01"}
     assert result["tuned_lr"] in (0.001, 0.003, 0.01)
@@ -41,18 +66,22 @@ def test_quick_digits_writes_json_table_and_plot(tmp_path):
     assert [s["backward_to_target"] for s in no_predict["seeds"]] == \
         [s["backward_to_target"] for s in arms["AdamW (tuned lr)"]["seeds"]]
     assert all(s["hybrid"]["predicted_steps"] == 0 for s in no_predict["seeds"])
-    assert (tmp_path / "e2e_digits_quick.png").stat().st_size > 5000
+    image = matplotlib.image.imread(tmp_path / "e2e_digits_quick.png")  # figsize (9, 5) at 110 dpi, not blank
+    assert image.shape[:2] == (550, 990) and image[..., :3].std() > 0.05
+    assert result["meta"]["command"] == f"python -m bench.e2e --quick --tasks digits --seeds 2 --out {tmp_path}"
+    assert {"git_commit", "git_dirty", "date", "torch"} <= set(result["meta"])
 
 
+@pytest.mark.slow
 def test_fused_adamw_arms_and_the_trainer_steps_like_the_plain_fused_loop(tmp_path, monkeypatch):
     # The trainer launches a fused optimizer's update before its guard reads (skipped on the
     # device when non-finite): with predict=False its weights must still be the plain loop's.
-    monkeypatch.setattr(e2e, "ADAMW_OPTIONS", {})  # main() sets fused=True in it
+    monkeypatch.setattr(protocol, "ADAMW_OPTIONS", {})  # main() sets fused=True in it
     assert e2e.main(["--quick", "--tasks", "digits", "--seeds", "1", "--presets", "no-predict",
                      "--fused-adamw", "--out", str(tmp_path)]) == 0
-    assert e2e.ADAMW_OPTIONS == {"fused": True}
+    assert protocol.ADAMW_OPTIONS == {"fused": True}
     result = json.loads((tmp_path / "e2e_digits_quick_fused.json").read_text())
-    assert result["meta"]["command"].endswith("--fused-adamw")
+    assert result["meta"]["command"].endswith(f"--fused-adamw --out {tmp_path}")
     plain, trainer = result["arms"]["AdamW (tuned lr)"]["seeds"][0], result["arms"]["HybridTrainer (no-predict)"]["seeds"][0]
     assert [p["val_loss"] for p in trainer["curve"]][: len(plain["curve"])] == [p["val_loss"] for p in plain["curve"]]
 
@@ -60,15 +89,15 @@ def test_fused_adamw_arms_and_the_trainer_steps_like_the_plain_fused_loop(tmp_pa
 def test_first_crossing_interpolates_in_time():
     curve = [dict(step=0, time=0.0, val_loss=2.0, backward=0, forward=0),
              dict(step=10, time=1.0, val_loss=1.0, backward=10, forward=10)]
-    cross = e2e.first_crossing(curve, 1.5)
+    cross = protocol.first_crossing(curve, 1.5)
     assert cross["time"] == pytest.approx(0.5) and cross["backward"] == pytest.approx(5)
-    assert e2e.first_crossing(curve, 0.5) is None
-    assert e2e.interpolate(curve, "time", 0.25) == pytest.approx(1.75)
+    assert protocol.first_crossing(curve, 0.5) is None
+    assert protocol.interpolate(curve, "time", 0.25) == pytest.approx(1.75)
 
 
 def test_presets_map_to_configs_and_a_bad_name_fails_before_any_run(tmp_path):
-    assert e2e.preset_config("no-predict").predict is False
-    assert e2e.preset_config("aggressive") == e2e.HybridConfig.aggressive()
+    assert protocol.preset_config("no-predict").predict is False
+    assert protocol.preset_config("aggressive") == protocol.HybridConfig.aggressive()
     with pytest.raises(ValueError, match="--presets: each must be one of"):
         e2e.main(["--quick", "--tasks", "digits", "--presets", "fast", "--out", str(tmp_path)])
     assert not list(tmp_path.iterdir())
@@ -83,10 +112,9 @@ def test_worth_text_is_left_out_when_the_gate_never_measured():
     assert e2e._worth_text(dict(predicted_step_worth=None)) == ""
 
 
-def test_weight_average_arms_get_their_own_swept_rate_and_a_control(tmp_path):
-    assert e2e.main(["--quick", "--tasks", "digits", "--seeds", "1", "--presets", "weight-average",
-                     "--out", str(tmp_path)]) == 0
-    result = json.loads((tmp_path / "e2e_digits_quick.json").read_text())
+@pytest.mark.slow
+def test_weight_average_arms_get_their_own_swept_rate_and_a_control(quick_run):
+    tmp_path, result = quick_run
     tuned, chosen = result["tuned_lr"], result["weight_average_lr"]
     candidates = [tuned * f for f in e2e.AVERAGE_LR_FACTORS]
     assert set(result["weight_average_lr_sweep"]) == {f"{lr:g}" for lr in candidates}
@@ -94,50 +122,45 @@ def test_weight_average_arms_get_their_own_swept_rate_and_a_control(tmp_path):
     arms = result["arms"]
     assert arms["AdamW + weight average"]["lr"] == chosen == arms["HybridTrainer (weight-average)"]["lr"]
     assert arms["HybridTrainer (weight-average)"]["config"]["weight_average"] is True
-    # Evaluated at the average: the same start as the raw loop, then other values.
-    control = arms["AdamW + weight average"]["seeds"][0]["curve"]
-    raw = arms["AdamW (tuned lr)"]["seeds"][0]["curve"]
-    assert control[0]["val_loss"] == raw[0]["val_loss"] and control[-1]["val_loss"] != raw[-1]["val_loss"]
+    assert arms["AdamW + weight average"]["hybrid"] is False
+    _departs_from_the_adamw_loop(result, "AdamW + weight average")  # evaluated at the average
     assert f"lr for evaluation at the weight average {chosen:g}" in (tmp_path / "e2e_quick.md").read_text()
 
 
-def test_schedule_free_arms_get_their_own_swept_rate_and_warm_up_and_a_control(tmp_path):
-    assert e2e.main(["--quick", "--tasks", "digits", "--seeds", "1", "--presets", "schedule-free",
-                     "--out", str(tmp_path)]) == 0
-    result = json.loads((tmp_path / "e2e_digits_quick.json").read_text())
+@pytest.mark.slow
+def test_schedule_free_arms_get_their_own_swept_rate_and_warm_up_and_a_control(quick_run):
+    tmp_path, result = quick_run
     free, tuned, budget = result["schedule_free"], result["tuned_lr"], result["steps"]
     grid = [(tuned * f, round(budget * w)) for f in e2e.SCHEDULE_FREE_LR_FACTORS for w in e2e.SCHEDULE_FREE_WARMUP_FRACTIONS]
     assert set(free["sweep"]) == {f"lr={lr:g} warmup={w}" for lr, w in grid}
     assert (free["lr"], free["warmup_steps"]) == min(grid, key=lambda g: free["sweep"][f"lr={g[0]:g} warmup={g[1]}"])
-    assert free["betas"] == list(e2e.SCHEDULE_FREE_BETAS)
+    assert free["betas"] == list(protocol.SCHEDULE_FREE_BETAS)
     arms = result["arms"]
     assert arms["Schedule-free AdamW"]["lr"] == free["lr"] == arms["HybridTrainer (schedule-free)"]["lr"]
     assert arms["Schedule-free AdamW"]["hybrid"] is False and arms["HybridTrainer (schedule-free)"]["hybrid"] is True
-    # Same initialisation as the AdamW loop, then its own path (evaluated at its averaged weights).
-    control = arms["Schedule-free AdamW"]["seeds"][0]["curve"]
-    raw = arms["AdamW (tuned lr)"]["seeds"][0]["curve"]
-    assert control[0]["val_loss"] == raw[0]["val_loss"] and control[-1]["val_loss"] != raw[-1]["val_loss"]
+    _departs_from_the_adamw_loop(result, "Schedule-free AdamW")  # its own path, at its averaged weights
     assert f"schedule-free AdamW lr {free['lr']:g}, warm-up {free['warmup_steps']} steps" in (tmp_path / "e2e_quick.md").read_text()
 
 
 def test_schedule_free_evaluation_moves_to_the_average_and_back():
     model = torch.nn.Linear(3, 2)
-    optimizer = e2e.make_optimizer(e2e.ArmSpec("sf", 0.1, schedule_free_warmup=0), model)
+    optimizer = protocol.make_optimizer(protocol.ArmSpec("sf", 0.1, schedule_free_warmup=0), model)
     for _ in range(3):
         optimizer.zero_grad()
         model(torch.ones(4, 3)).square().sum().backward()
         optimizer.step()
     train_point = model.weight.detach().clone()
-    with e2e.schedule_free_evaluation(optimizer):
+    with protocol.schedule_free_evaluation(optimizer):
         assert not torch.allclose(model.weight, train_point)
         assert optimizer.param_groups[0]["train_mode"] is False
     assert optimizer.param_groups[0]["train_mode"] is True
     torch.testing.assert_close(model.weight.detach(), train_point)  # the library's round trip is float-exact only
 
 
-def test_muon_arms_get_their_own_swept_rates_and_a_control(tmp_path):
-    assert e2e.main(["--quick", "--tasks", "digits", "--seeds", "1", "--presets", "muon", "--out", str(tmp_path)]) == 0
-    result = json.loads((tmp_path / "e2e_digits_quick.json").read_text())
+@pytest.mark.slow
+@requires_muon
+def test_muon_arms_get_their_own_swept_rates_and_a_control(quick_run):
+    tmp_path, result = quick_run
     muon, tuned = result["muon"], result["tuned_lr"]
     grid = [(m, tuned * f) for m in e2e.MUON_LRS for f in e2e.MUON_ADAMW_LR_FACTORS]
     assert set(muon["sweep"]) == {f"muon={m:g} adamw={a:g}" for m, a in grid}
@@ -146,21 +169,20 @@ def test_muon_arms_get_their_own_swept_rates_and_a_control(tmp_path):
     for name in ("Muon + AdamW", "HybridTrainer (muon)"):
         assert (arms[name]["muon_lr"], arms[name]["lr"]) == (muon["lr"], muon["adamw_lr"])
     assert arms["AdamW (tuned lr)"]["muon_lr"] is None
-    control = arms["Muon + AdamW"]["seeds"][0]["curve"]
-    raw = arms["AdamW (tuned lr)"]["seeds"][0]["curve"]
-    assert control[0]["val_loss"] == raw[0]["val_loss"] and control[-1]["val_loss"] != raw[-1]["val_loss"]
+    _departs_from_the_adamw_loop(result, "Muon + AdamW")
     assert f"Muon lr {muon['lr']:g} with AdamW lr {muon['adamw_lr']:g} for the rest" in (tmp_path / "e2e_quick.md").read_text()
 
 
+@requires_muon
 def test_muon_trains_the_hidden_matrices_and_adamw_the_rest():
     mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(),
                               torch.nn.Linear(16, 3))
-    assert [tuple(p.shape) for p in e2e.hidden_matrices(mlp)] == [(16, 8), (16, 16)]  # not the output layer
+    assert [tuple(p.shape) for p in protocol.hidden_matrices(mlp)] == [(16, 8), (16, 16)]  # not the output layer
     gpt = get_task("charlm", quick=True).make_model(0)
-    hidden = e2e.hidden_matrices(gpt)
+    hidden = protocol.hidden_matrices(gpt)
     assert len(hidden) == 4 and all(p.ndim == 2 for p in hidden)  # qkv, out_proj and two MLP matrices
     assert all(p is not gpt.tok.weight and p is not gpt.pos for p in hidden)
-    optimizer = e2e.make_optimizer(e2e.ArmSpec("m", 3e-3, muon_lr=0.02), gpt)
+    optimizer = protocol.make_optimizer(protocol.ArmSpec("m", 3e-3, muon_lr=0.02), gpt)
     muon, adamw = optimizer.parts
     assert isinstance(muon, torch.optim.Muon) and muon.param_groups[0]["lr"] == 0.02
     assert {id(p) for p in muon.param_groups[0]["params"]} == {id(p) for p in hidden}
@@ -168,12 +190,13 @@ def test_muon_trains_the_hidden_matrices_and_adamw_the_rest():
     assert len(adamw.param_groups[0]["params"]) + len(hidden) == len(list(gpt.parameters()))
 
 
+@requires_muon
 def test_muon_forced_predicts_over_muon_whatever_it_is_worth():
-    config = e2e.preset_config("muon-forced")
-    assert config.min_predicted_worth == e2e.FORCED_PREDICTION["min_predicted_worth"] and not config.cost_aware
+    config = protocol.preset_config("muon-forced")
+    assert config.min_predicted_worth == protocol.FORCED_PREDICTION["min_predicted_worth"] and not config.cost_aware
     task = get_task("digits", quick=True)
-    arm = e2e.ArmSpec("forced over Muon", 0.01, config, muon_lr=0.02)
-    run = e2e.ArmRun(arm, task, seed=0, budget=task.steps)
+    arm = protocol.ArmSpec("forced over Muon", 0.01, config, muon_lr=0.02)
+    run = protocol.ArmRun(arm, task, seed=0, budget=task.steps)
     assert isinstance(run.optimizer.parts[0], torch.optim.Muon)
     while not run.done:
         run.run_chunk(task.eval_every, record_phases=False)

@@ -1,6 +1,7 @@
 """bench.host_ops: counts what it claims, and the batched reductions stay flat in the tensor count."""
 import json
 
+import pytest
 import torch
 
 from bench import host_ops
@@ -14,6 +15,7 @@ def test_counts_each_op_and_attributes_it_to_its_caller():
     assert host.ops == ["mul", "sum"] and host.by_caller == {None: 2}
 
 
+@pytest.mark.slow
 def test_quick_run_writes_every_arm_and_recording_with_batched_reductions_costs_fewer_ops(tmp_path):
     assert host_ops.main(["--tasks", "digits", "--quick", "--warmup", "22", "--steps", "3", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "host_ops.json").read_text())

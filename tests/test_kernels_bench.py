@@ -1,6 +1,8 @@
 """bench.kernels: the table names its reference per group, and says when benchmarks failed."""
 import json
 
+import pytest
+
 from bench import kernels
 
 
@@ -10,6 +12,7 @@ def _raw(path, rows):
          "extra_info": dict(impl=name, baseline=baseline)} for name, t, baseline in rows]}))
 
 
+@pytest.mark.slow
 def test_flagged_baseline_is_the_reference_and_failures_are_announced(monkeypatch, tmp_path, capsys):
     def fake_pytest(raw_path, quick, keyword):
         _raw(raw_path, [("fast", 1e-3, False), ("slow", 4e-3, False), ("ceiling", 2e-3, True)])

@@ -24,6 +24,7 @@ class ScriptedRss:
         return self.values[self.calls - 1]
 
 
+@pytest.mark.slow
 def test_leak_run_reports_growth_and_no_reallocation(monkeypatch):
     """The growth bookkeeping against hand-computed numbers: RSS is scripted, one (before, after)
     pair per chunk and arm in the order the run reads them (60 steps = 4 chunks of 15, the first

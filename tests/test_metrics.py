@@ -11,6 +11,7 @@ import pytest
 
 from hybrid_trainer import metrics as metrics_module
 from hybrid_trainer.metrics import MetricsLogger, plot_run, read_jsonl, to_json_safe
+from _images import assert_plot
 
 
 def synthetic_run() -> list[dict]:
@@ -146,7 +147,7 @@ def test_plot_run_accepts_a_jsonl_path_and_null_losses(tmp_path):
             logger.log({**record, "loss": float("nan") if record["step"] == 5 else record["loss"]})
     out = tmp_path / "from_file.png"
     plot_run(path, out)
-    assert out.stat().st_size > 1024
+    assert_plot(out, (10, 5), dpi=100)
 
 
 def test_plot_run_rejects_empty_records(tmp_path):

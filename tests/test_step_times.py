@@ -1,9 +1,12 @@
 """bench.step_times: every step timed with its phase, the slowest listed, compiles counted."""
 import json
 
+import pytest
+
 from bench import step_times
 
 
+@pytest.mark.slow
 def test_every_step_is_timed_and_the_slowest_are_listed(tmp_path):
     assert step_times.main(["--task", "digits", "--quick", "--seeds", "2", "--steps", "40", "--top", "3",
                             "--out", str(tmp_path)]) == 0

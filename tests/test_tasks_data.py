@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 
 def _write_idx(path: Path, header: bytes, payload: np.ndarray) -> None:
@@ -13,6 +14,7 @@ def _write_idx(path: Path, header: bytes, payload: np.ndarray) -> None:
         f.write(header + payload.astype(np.uint8).tobytes())
 
 
+@pytest.mark.slow
 def test_fashion_dir_comes_from_the_environment(tmp_path):
     images = np.arange(3 * 784) % 256
     for split, n in (("train", 3), ("t10k", 3)):

@@ -16,6 +16,7 @@ from hybrid_trainer.anchor import buffer_slots
 
 from _configs import ALWAYS, FAST
 from _digits import batches, cross_entropy, digits_tensors, mlp
+from _images import assert_plot
 
 
 
@@ -423,7 +424,7 @@ def test_metrics_jsonl_and_summary(stream, tmp_path):
     assert len(lines) == 40 and {"step", "phase", "loss", "backward_done"} <= set(lines[0])
     assert not trainer.metrics.records  # a long run must not grow in memory
     trainer.plot(tmp_path / "run.png")
-    assert (tmp_path / "run.png").stat().st_size > 5000
+    assert_plot(tmp_path / "run.png", (10, 5), dpi=100)
     text = trainer.summary()
     assert "backward passes" in text and "predicted steps" in text
     stats = trainer.statistics()

@@ -1,10 +1,11 @@
-"""bench.predictors' batch-size sweep and the tasks' batch-size override (digits: real data, seconds)."""
+"""experiments.predictors' batch-size sweep and the tasks' batch-size override (digits: real data, seconds)."""
 import json
 
 import pytest
 
-from bench import predictors
+from experiments import predictors
 from bench.tasks import get_task
+from _images import assert_plot
 
 
 def test_batch_size_override_and_full_batch_task():
@@ -31,7 +32,7 @@ def test_sweep_writes_table_plot_and_sees_noise_fall(tmp_path):
     assert 0.8 < full["worth_whole_run"]["last update"] < 1.2
     table = (tmp_path / "predictors_digits_batch_sweep.md").read_text()
     assert "| 1437 | 100% |" in table and table.count("\n| ") == 3  # header + 2 rows
-    assert (tmp_path / "predictors_digits_batch_sweep.png").stat().st_size > 5000
+    assert_plot(tmp_path / "predictors_digits_batch_sweep.png", (11, 4.5), dpi=110)
 
 
 def test_single_and_sweep_flags_exclude_each_other(tmp_path):

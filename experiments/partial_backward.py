@@ -1,7 +1,7 @@
 """Predict the lower layers' updates and backpropagate only through the upper ones? (An idea that
 failed; kept as evidence.)
 
-    python -m bench.partial_backward [--task fashion] [--every 2] [--seeds 3] [--out docs/results]
+    python -m experiments.partial_backward [--task fashion] [--every 2] [--seeds 3] [--out experiments/results]
 
 A predicted update of the *whole* model is worth ≤ 0.05 of a real step on these tasks
 (docs/trainer.md), so skipping whole backward passes cannot pay. This benchmark tries the other
@@ -23,7 +23,6 @@ Writes ``<out>/partial_backward_<task>.json`` and ``.png``.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import sys
 import time
@@ -31,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from .e2e import plot_seed_curves, summarise_against_plain
-from .tasks import get_task
+from bench.protocol import plot_seed_curves, run_metadata, summarise_against_plain
+from bench.tasks import get_task
 
 ALWAYS_REAL_STEPS = 50  # the first updates are large and fast-changing: nothing to extrapolate yet
 EMA_BETA = 0.9
@@ -115,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=None, help="default: the end-to-end benchmark's tuned rate")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="the task's quick size (tests)")
-    parser.add_argument("--out", type=Path, default=Path("docs/results"))
+    parser.add_argument("--out", type=Path, default=Path("experiments/results"))
     args = parser.parse_args(argv)
     if args.every < 2:
         parser.error(f"--every must be >= 2, got {args.every}")
@@ -128,9 +127,8 @@ def main(argv: list[str] | None = None) -> int:
             runs[mode].append(run(task, mode, args.every, lr, seed))
             print(f"seed {seed} {mode:15s} final val loss {runs[mode][-1]['curve'][-1]['val_loss']:.4f}", flush=True)
     summary = analyse(task, runs)
-    result = dict(command=f"python -m bench.partial_backward --task {args.task} --every {args.every} --lr {lr} "
-                          f"--seeds {args.seeds}" + (" --quick" if args.quick else ""),
-                  date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), torch=torch.__version__,
+    result = dict(run_metadata(f"python -m experiments.partial_backward --task {args.task} --every {args.every} "
+                               f"--lr {lr} --seeds {args.seeds}" + (" --quick" if args.quick else "")),
                   threads=torch.get_num_threads(), task=args.task, data_source=task.data_source, lr=lr,
                   every=args.every, steps=task.steps, **summary, runs=runs)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """Does the dynamics model's confidence predict which predicted phases a verification accepts?
 
-    python -m bench.confidence [--tasks fashion charlm digits] [--seeds 3] [--out docs/results]
+    python -m experiments.confidence [--tasks fashion charlm digits] [--seeds 3] [--out experiments/results]
 
 The trainer enters PREDICT only when its confidence (geometric mean of the running acceptance
 rate and the dynamics model's confidence at the phase's horizon) passes a threshold. Whether that
@@ -16,7 +16,6 @@ the acceptance rate per confidence quartile. Writes ``<out>/confidence.{json,md,
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import math
 import statistics
@@ -27,8 +26,8 @@ import torch
 
 from hybrid_trainer import HybridConfig, HybridTrainer, Phase
 
-from .e2e import FORCED_PREDICTION
-from .tasks import get_task
+from bench.protocol import FORCED_PREDICTION, run_metadata
+from bench.tasks import get_task
 
 TUNED_LR = {"fashion": 1e-3, "charlm": 2e-3, "digits": 3e-3}  # the end-to-end benchmark's sweeps
 SCORES = ("dynamics_confidence", "acceptance_estimate", "combined_confidence")
@@ -153,12 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", nargs="+", default=["fashion", "charlm", "digits"], choices=sorted(TUNED_LR))
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="the tasks' quick sizes (tests)")
-    parser.add_argument("--out", type=Path, default=Path("docs/results"))
+    parser.add_argument("--out", type=Path, default=Path("experiments/results"))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    command = "python -m bench.confidence " + " ".join(argv if argv is not None else sys.argv[1:])
-    results = dict(command=command, date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                   torch=torch.__version__, forced_config=FORCED_PREDICTION, tasks={})
+    command = "python -m experiments.confidence " + " ".join(argv if argv is not None else sys.argv[1:])
+    results = dict(run_metadata(command), forced_config=FORCED_PREDICTION, tasks={})
     for name in args.tasks:
         task = get_task(name, quick=args.quick)
         runs, stats = [], []

@@ -1,6 +1,6 @@
 """Why the end-to-end benchmark's schedule-free arms use the betas and sweep they do.
 
-    python -m bench.schedule_free [--task charlm] [--seed 0] [--out docs/results]
+    python -m experiments.schedule_free [--task charlm] [--seed 0] [--out experiments/results]
 
 One seed of a ``bench.tasks`` task, one run per optimizer setting, each the plain loop for the
 task's step budget: schedule-free AdamW (``schedulefree.AdamWScheduleFree``, evaluated at its
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as dt
 import json
 import sys
 from dataclasses import asdict, dataclass
@@ -25,8 +24,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .e2e import ADAMW_WEIGHT_DECAY, first_crossing, interpolate, schedule_free_evaluation
-from .tasks import get_task
+from bench.protocol import ADAMW_WEIGHT_DECAY, first_crossing, interpolate, run_metadata, schedule_free_evaluation
+from bench.tasks import get_task
 
 
 @dataclass(frozen=True)
@@ -150,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--task", default="charlm")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="the task's quick variant (tests)")
-    parser.add_argument("--out", type=Path, default=Path("docs/results"))
+    parser.add_argument("--out", type=Path, default=Path("experiments/results"))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     task = get_task(args.task, args.quick)
@@ -163,9 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         cross = first_crossing([dict(p, time=p["step"], backward=p["step"], forward=p["step"]) for p in curve], target)
         runs.append(dict(name=setting.name, setting=asdict(setting), crossing_step=None if cross is None else cross["step"],
                          final_val_loss=curve[-1]["val_loss"], curve=curve))
-    command = f"python -m bench.schedule_free --task {args.task} --seed {args.seed}" + (" --quick" if args.quick else "")
-    result = dict(command=command, date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                  torch=torch.__version__, task=task.name, seed=args.seed, steps=task.steps, eval_every=task.eval_every,
+    command = f"python -m experiments.schedule_free --task {args.task} --seed {args.seed}" + (" --quick" if args.quick else "")
+    result = dict(run_metadata(command), task=task.name, seed=args.seed, steps=task.steps, eval_every=task.eval_every,
                   target_step=target_step, target_val_loss=target, runs=runs)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"schedule_free_{task.name}"

@@ -1,6 +1,6 @@
 """Does an online learning-rate controller pay where predicted updates do not?
 
-    python -m bench.lr_control [--tasks fashion charlm digits] [--seeds 2] [--out docs/results]
+    python -m experiments.lr_control [--tasks fashion charlm digits] [--seeds 2] [--out experiments/results]
 
 The trainer's worth gate measures, every real step, the first-order loss change of one more step
 along the recent update direction on a fresh batch; on every task it is positive but small
@@ -32,11 +32,8 @@ Writes ``<out>/lr_control_<task>.json``, ``<out>/lr_control.md`` and ``<out>/lr_
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import math
-import os
-import platform
 import sys
 import time
 from dataclasses import dataclass
@@ -44,8 +41,9 @@ from pathlib import Path
 
 import torch
 
-from .e2e import ArmRun, ArmSpec, analyse, format_mean_std, plot_loss_curves, run_arms, seed_style, sweep_lr
-from .tasks import get_task
+from bench.protocol import (ArmRun, ArmSpec, analyse, cpu_description, format_mean_std, plot_loss_curves, run_arms,
+                            run_metadata, seed_style, sweep_lr)
+from bench.tasks import get_task
 
 BETAS = (0.005, 0.02)
 
@@ -235,14 +233,12 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"constant-rate reference arms with the gradient norm clipped to {CLIP_NORM:g}, "
                              "lr = factor x the tuned lr")
     parser.add_argument("--tag", default=None, help="write lr_control_<task>_<tag>.* and lr_control_<tag>.md")
-    parser.add_argument("--out", type=Path, default=Path("docs/results"))
+    parser.add_argument("--out", type=Path, default=Path("experiments/results"))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = dict(command="python -m bench.lr_control " + " ".join(argv if argv is not None else sys.argv[1:]),
-                date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                device=f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores",
-                torch=torch.__version__, threads=torch.get_num_threads())
+    meta = run_metadata("python -m experiments.lr_control " + " ".join(argv if argv is not None else sys.argv[1:]),
+                        device=cpu_description(), threads=torch.get_num_threads())
     results = []
     for name in args.tasks:
         result = benchmark_task(name, args.seeds, args.betas, args.cosine_factors, args.clipped_factors)

@@ -1,9 +1,9 @@
 """The feasibility probe's best recipe, on the benchmark's tasks: scheduled, unverified predicted steps.
 
-    python -m bench.scheduled [--task charlm] [--seeds 3] [--out docs/results]
+    python -m experiments.scheduled [--task charlm] [--seeds 3] [--out experiments/results]
 
-Before this project started, a probe (``shared/notes/feasibility_report.md``: a char-LM on Python
-source, a model clock instead of wall-clock) found one predicted update that paid a little: the
+Before this project started, a feasibility probe (not part of this repository: a char-LM on
+Python source, a model clock instead of wall-clock) found one predicted update that paid a little: the
 EMA (β 0.98–0.99) of the real AdamW updates applied at scale 1, ten times after every fifteen real
 steps, with no loss check (0.92× the tuned loop's time to its target, a predicted step worth
 ~0.14 of a real one); a fitted least-squares scale shrank it and lost the gain, and a forward
@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime as dt
 import json
 import math
 import sys
@@ -50,8 +49,8 @@ from tqdm import tqdm
 from hybrid_trainer.averaging import FAST_BETA, SLOW_BETA, WeightAverage, lag
 from hybrid_trainer.predictor import DeltaPredictor
 
-from .e2e import first_crossing, mean_std, plot_seed_curves, summarise_against_plain
-from .tasks import get_task
+from bench.protocol import first_crossing, mean_std, plot_seed_curves, run_metadata, summarise_against_plain
+from bench.tasks import get_task
 
 RECORD_FROM = 50  # real steps before the EMA starts: the first updates are large and fast-changing
 FIRST_PREDICT = 100  # the probe's warm-up on the char-LM
@@ -63,7 +62,7 @@ EVAL_EVERY = 25  # real steps between validations: resolves ~1.05x on a 600-step
 # the EMA of Adam's updates has a part along the weights, so repeating it grows weight norms;
 # is that the char-LM's harm? "drift" = the drift of the smoothed trajectory (WeightDrift), which
 # leaves out where the iterate sits in its oscillation: the best first-order worth on the char-LM
-# of the directions bench.predictors measured.
+# of the directions experiments.predictors measured.
 ARMS = {"plain": None, "ema 0.98, α 1": (0.98, "unit"), "ema 0.99, α 1": (0.99, "unit"),
         "ema 0.98, fitted α": (0.98, "fitted"), "ema 0.98, α 1, one pass": (0.98, "one pass"),
         "ema 0.99, α 1, one pass": (0.99, "one pass"), "plain, evaluated at its weight average": None,
@@ -324,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="the task's quick size (tests)")
     parser.add_argument("--steps", type=int, default=None,
                         help="real-step budget (default: the task's); the target follows it (plain at 80%%)")
-    parser.add_argument("--out", type=Path, default=Path("docs/results"))
+    parser.add_argument("--out", type=Path, default=Path("experiments/results"))
     parser.add_argument("--fork-trial", nargs="+", type=Path, default=None, metavar="JSON",
                         help="instead of running: analyse committed results (their two evaluated-at-the-average "
                              f"arms, else the one-pass arm against plain) as fork trials of widths {FORK_WIDTHS}; "
@@ -348,11 +347,10 @@ def main(argv: list[str] | None = None) -> int:
                 bar.update()
     summary = analyse(task, runs)
     stem = f"scheduled_{args.task}" + (f"_{args.tag}" if args.tag else "")
-    result = dict(command=f"python -m bench.scheduled --task {args.task} --lr {lr} --seeds {args.seeds}"
+    result = dict(**run_metadata(f"python -m experiments.scheduled --task {args.task} --lr {lr} --seeds {args.seeds}"
                           + ("" if arms == list(ARMS) else " --arms " + " ".join(f"'{a}'" for a in arms[1:]))
                           + (f" --steps {args.steps}" if args.steps is not None else "")
-                          + (f" --tag {args.tag}" if args.tag else "") + (" --quick" if args.quick else ""),
-                  date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), torch=torch.__version__,
+                          + (f" --tag {args.tag}" if args.tag else "") + (" --quick" if args.quick else "")),
                   threads=torch.get_num_threads(), task=args.task, data_source=task.data_source, lr=lr,
                   steps=task.steps, schedule=dict(record_from=RECORD_FROM, first_predict=FIRST_PREDICT,
                                                   real_between=REAL_BETWEEN, predicted=PREDICTED),
@@ -383,9 +381,9 @@ def _write_fork_trials(paths: list[Path], out: Path) -> int:
         if not pairs:
             raise SystemExit(f"--fork-trial {path}: no one-pass or averaged arm to analyse")
         trials += [fork_trial(result, arm, control) for arm, control in pairs]
-    command = "python -m bench.scheduled --fork-trial " + " ".join(str(p) for p in paths)
+    command = "python -m experiments.scheduled --fork-trial " + " ".join(str(p) for p in paths)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "scheduled_fork_trial.json").write_text(json.dumps(dict(command=command, trials=trials), indent=1))
+    (out / "scheduled_fork_trial.json").write_text(json.dumps(dict(run_metadata(command), trials=trials), indent=1))
     text = fork_trial_markdown(trials, command)
     (out / "scheduled_fork_trial.md").write_text(text)
     print(text)

@@ -1,11 +1,12 @@
-"""bench.lr_control: the hypergradient controller's rule, and the benchmark's output (digits, seconds)."""
+"""experiments.lr_control: the hypergradient controller's rule, and the benchmark's output (digits, seconds)."""
 import json
 
 import pytest
 import torch
 
-from bench import lr_control
-from bench.lr_control import HypergradientLR, warmup_cosine
+from experiments import lr_control
+from experiments.lr_control import HypergradientLR, warmup_cosine
+from _images import assert_plot
 
 
 def _quadratic_run(lr: float, beta: float, steps: int, bounds=(0.1, 10.0)):
@@ -70,4 +71,4 @@ def test_benchmark_writes_json_table_and_plot(tmp_path):
     assert plain["final_lr"] == [result["tuned_lr"]] and plain["summary"]["speedup_vs_baseline"]["mean"] == 1.0
     table = (tmp_path / "lr_control_t.md").read_text()
     assert table.count("\n| AdamW") == 5 and "Mean cos(fresh gradient, last update)" in table
-    assert (tmp_path / "lr_control_digits_t.png").stat().st_size > 5000
+    assert_plot(tmp_path / "lr_control_digits_t.png", (12, 4.5), dpi=110)

@@ -1,6 +1,6 @@
 """Do verified jumps to averaged weights speed training up? (An idea that failed; kept as evidence.)
 
-    python -m bench.jumps [--task charlm] [--steps 600] [--out docs/results]
+    python -m experiments.jumps [--task charlm] [--steps 600] [--out experiments/results]
 
 The EMA of the weights (β 0.9–0.95) has a 2–3% lower validation loss than the current iterate on
 the char-LM after ~150 steps: averaging cancels the oscillation across high-curvature directions.
@@ -15,7 +15,6 @@ Writes ``<out>/jumps_<task>.json`` and ``.png``.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import sys
 import time
@@ -23,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from .tasks import get_task
+from bench.protocol import run_metadata
+from bench.tasks import get_task
 
 CONFIGS = [("plain AdamW", 0, 0.9), ("jump to EMA(0.9) every 25", 25, 0.9), ("jump to EMA(0.95) every 50", 50, 0.95)]
 
@@ -60,13 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--task", default="charlm")
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--out", type=Path, default=Path("docs/results"))
+    parser.add_argument("--out", type=Path, default=Path("experiments/results"))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     task = get_task(args.task)
     runs = {name: run(task, k, beta, args.steps, args.lr) for name, k, beta in CONFIGS}
-    result = dict(command=f"python -m bench.jumps --task {args.task} --steps {args.steps} --lr {args.lr}",
-                  date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), torch=torch.__version__,
+    result = dict(run_metadata(f"python -m experiments.jumps --task {args.task} --steps {args.steps} --lr {args.lr}"),
                   task=args.task, data_source=task.data_source, lr=args.lr, runs=runs)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"jumps_{args.task}.json").write_text(json.dumps(result, indent=1))

@@ -1,17 +1,19 @@
 """Every approach measured against plain AdamW, on one page.
 
-    python -m bench.summary [--results docs/results] [--tasks charlm fashion]
+    python -m experiments.summary [--results docs/results experiments/results] [--out experiments/results]
+                                  [--tasks charlm fashion]
 
 Runs no training. It reads the committed results of the benchmarks that compare something with
-the plain AdamW loop in the same interleaved run (``bench.e2e``, ``bench.lr_control``,
-``bench.scheduled``, ``bench.nowcast``, ``bench.partial_backward``) and writes
-``<results>/summary.{md,json,png}``: per task, each arm's speed-up to the target against that
+the plain AdamW loop in the same interleaved run (``bench.e2e``, ``experiments.lr_control``,
+``experiments.scheduled``, ``experiments.nowcast``, ``experiments.partial_backward``; the
+end-to-end runs in ``docs/results``, the research runs in ``experiments/results``) and writes
+``<out>/summary.{md,json,png}``: per task, each arm's speed-up to the target against that
 run's own plain loop, in wall-clock and in real steps (backward passes), with how many seeds
 reached the target. The figures are the files' own; each row names the file it came from, and
 that file names the command that produced it.
 
-Definitions follow the source: ``bench.e2e`` / ``bench.lr_control`` / ``bench.scheduled``
-average per-seed ratios over the seeds that reached the target; ``bench.nowcast`` reports the
+Definitions follow the source: ``bench.e2e`` / ``experiments.lr_control`` / ``experiments.scheduled``
+average per-seed ratios over the seeds that reached the target; ``experiments.nowcast`` reports the
 ratio of the mean steps (and here of the mean times) to the target. An arm seen in several files
 is listed once, from the first file read (the order of :data:`SOURCES`). The reference of each
 row is the plain loop of its own file: at the tuned rate unless the row says otherwise (the
@@ -27,7 +29,9 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-GOAL = 2.0  # issue #5: the target reached at least 2x sooner in wall-clock
+from bench.protocol import run_metadata
+
+GOAL = 2.0  # the project's goal: the target reached at least 2x sooner in wall-clock
 
 # (file pattern with {task}, reader, row prefix naming the run). Order decides which copy of a repeated arm is kept.
 SOURCES = (
@@ -61,7 +65,7 @@ class Row:
     step_speedup: float | None  # the same in real steps (backward passes)
     reached: int  # seeds that reached the target
     seeds: int
-    source: str  # file under the results folder
+    source: str  # the file read, as found under one of the results folders
     command: str
 
 
@@ -82,7 +86,7 @@ def _lr_note(name: str, lr: float | None, tuned: float | None) -> str:
 
 
 def read_e2e(data: dict) -> list[tuple[str, float | None, float | None, int, int]]:
-    """``bench.e2e`` / ``bench.lr_control`` results: arms against ``AdamW (tuned lr)``; steps
+    """``bench.e2e`` / ``experiments.lr_control`` results: arms against ``AdamW (tuned lr)``; steps
     per seed from ``backward_to_target``."""
     reference = {s["seed"]: s for s in data["arms"]["AdamW (tuned lr)"]["seeds"]}
     tuned = data.get("tuned_lr") or data["arms"]["AdamW (tuned lr)"]["lr"]
@@ -99,7 +103,7 @@ def read_e2e(data: dict) -> list[tuple[str, float | None, float | None, int, int
 
 
 def read_scheduled(data: dict) -> list[tuple[str, float | None, float | None, int, int]]:
-    """``bench.scheduled`` / ``bench.partial_backward`` results: arms against ``plain``."""
+    """``experiments.scheduled`` / ``experiments.partial_backward`` results: arms against ``plain``."""
     rows = []
     for name, arm in data["arms"].items():
         seeds = len(data["runs"][name])
@@ -109,7 +113,7 @@ def read_scheduled(data: dict) -> list[tuple[str, float | None, float | None, in
 
 
 def read_nowcast(data: dict) -> list[tuple[str, float | None, float | None, int, int]]:
-    """``bench.nowcast evaluate`` results: arms against ``plain AdamW``, ratios of means."""
+    """``experiments.nowcast evaluate`` results: arms against ``plain AdamW``, ratios of means."""
     plain = data["summary"]["plain AdamW"]
     rows = []
     for name, arm in data["summary"].items():
@@ -127,14 +131,16 @@ def _command(data: dict) -> str:
     return data.get("command") or data.get("meta", {}).get("command", "")
 
 
-def collect(results: Path, task: str) -> list[Row]:
-    """Rows for ``task`` from every source file present under ``results`` (missing files are
-    skipped: not every benchmark ran on every task)."""
+def collect(results: Path | list[Path], task: str) -> list[Row]:
+    """Rows for ``task`` from every source file present under the ``results`` folders (a pattern is
+    looked up in each folder in turn, the first copy found is read; missing files are skipped:
+    not every benchmark ran on every task). A row's ``source`` is the file's path as found."""
+    folders = [results] if isinstance(results, Path) else list(results)
     rows: list[Row] = []
     seen: set[str] = set()
     for pattern, reader, prefix in SOURCES:
-        path = results / pattern.format(task=task)
-        if not path.exists():
+        path = next((f / pattern.format(task=task) for f in folders if (f / pattern.format(task=task)).exists()), None)
+        if path is None:
             continue
         data = json.loads(path.read_text())
         for name, wall, step, reached, seeds in READERS[reader](data):
@@ -142,7 +148,7 @@ def collect(results: Path, task: str) -> list[Row]:
             if name in REFERENCE_ARMS or approach in seen:
                 continue
             seen.add(approach)
-            rows.append(Row(approach, wall, step, reached, seeds, str(path.relative_to(results)), _command(data)))
+            rows.append(Row(approach, wall, step, reached, seeds, str(path), _command(data)))
     return rows
 
 
@@ -152,11 +158,11 @@ def _cell(x: float | None) -> str:
 
 def markdown(by_task: dict[str, list[Row]]) -> str:
     lines = [
-        "Every approach measured against plain AdamW in its own run, `python -m bench.summary` "
+        "Every approach measured against plain AdamW in its own run, `python -m experiments.summary` "
         "(reads the results below; runs nothing). Speed-up = the plain loop's time (or real steps) "
-        f"to the target over the arm's; the goal of issue #5 is {GOAL:g}× in wall-clock with the final "
+        f"to the target over the arm's; the project's goal is {GOAL:g}× in wall-clock with the final "
         "loss within 1%. Rows sorted by wall-clock speed-up; a dash: not reached in any seed "
-        "(nowcast steps: in every seed), or not measured (`bench.partial_backward` reports wall-clock only). "
+        "(nowcast steps: in every seed), or not measured (`experiments.partial_backward` reports wall-clock only). "
         "Nowcast rows are ratios of means, the others means of per-seed ratios. The reference of a "
         "`[scheduled, 2x lr]` row is plain AdamW at twice the tuned rate (its own run's plain arm); "
         "every other row's is plain AdamW at the tuned rate. Each file names its command.", "",
@@ -226,23 +232,27 @@ def plot(by_task: dict[str, list[Row]], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--results", type=Path, default=Path("docs/results"),
-                        help="folder of the benchmarks' JSON results; the summary is written there")
+    parser.add_argument("--results", type=Path, nargs="+", default=[Path("docs/results"), Path("experiments/results")],
+                        help="folders of the benchmarks' JSON results, searched in turn")
+    parser.add_argument("--out", type=Path, default=Path("experiments/results"),
+                        help="where summary.{md,json,png} are written")
     parser.add_argument("--tasks", nargs="+", default=["charlm", "fashion"])
     args = parser.parse_args(argv)
-    if not args.results.is_dir():
-        parser.error(f"--results: {args.results} is not a folder")
+    missing = [str(f) for f in args.results if not f.is_dir()]
+    if missing:
+        parser.error(f"--results: {missing} not a folder")
     by_task = {task: collect(args.results, task) for task in args.tasks}
     empty = [t for t, rows in by_task.items() if not rows]
     if empty:
         parser.error(f"--tasks: no results for {empty} under {args.results}")
-    (args.results / "summary.json").write_text(json.dumps(
-        {"command": "python -m bench.summary " + " ".join(argv if argv is not None else sys.argv[1:]),
-         "goal_wall_speedup": GOAL, "tasks": {t: [asdict(r) for r in rows] for t, rows in by_task.items()}},
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = run_metadata("python -m experiments.summary " + " ".join(argv if argv is not None else sys.argv[1:]))
+    (args.out / "summary.json").write_text(json.dumps(
+        {**meta, "goal_wall_speedup": GOAL, "tasks": {t: [asdict(r) for r in rows] for t, rows in by_task.items()}},
         indent=1, ensure_ascii=False) + "\n")
     text = markdown(by_task)
-    (args.results / "summary.md").write_text(text)
-    plot(by_task, args.results / "summary.png")
+    (args.out / "summary.md").write_text(text)
+    plot(by_task, args.out / "summary.png")
     print(text)
     return 0
 

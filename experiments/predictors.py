@@ -1,7 +1,7 @@
 """How much is a predicted step worth? Candidate update predictors measured on a real run.
 
-    python -m bench.predictors [--task charlm] [--steps 600] [--lr LR] [--batch-size N] [--out docs/results]
-    python -m bench.predictors --task digits --steps 300 --batch-sizes 16 64 256 1437
+    python -m experiments.predictors [--task charlm] [--steps 600] [--lr LR] [--batch-size N] [--out experiments/results]
+    python -m experiments.predictors --task digits --steps 300 --batch-sizes 16 64 256 1437
 
 Trains the task's model with plain AdamW (tuned-ish lr) and, at every step t, measures for each
 candidate predictor the first-order loss decrease of its predicted step ``p_t`` relative to that
@@ -33,7 +33,6 @@ gradient noise, which falls as the batch grows (the task's whole training set = 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import sys
 from pathlib import Path
@@ -41,7 +40,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .tasks import get_task
+from bench.protocol import run_metadata
+from bench.tasks import get_task
 
 EMA_BETAS = (0.9, 0.98, 0.99)
 WEIGHT_AVG_BETAS = (0.9, 0.98)  # drift = (fast average − slow average) / (lag_slow − lag_fast)
@@ -235,21 +235,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=None, help="replace the task's batch size")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=None,
                         help="sweep: one run per batch size, summarised in predictors_<task>_batch_sweep.*")
-    parser.add_argument("--out", type=Path, default=Path("docs/results"))
+    parser.add_argument("--out", type=Path, default=Path("experiments/results"))
     args = parser.parse_args(argv)
     if args.batch_size is not None and args.batch_sizes is not None:
         parser.error("--batch-size and --batch-sizes: give one of them")
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
-    date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    base = f"python -m bench.predictors --task {args.task} --steps {args.steps}" + (f" --lr {args.lr}" if args.lr else "")
+    base = f"python -m experiments.predictors --task {args.task} --steps {args.steps}" + (f" --lr {args.lr}" if args.lr else "")
     if args.batch_sizes is not None:
         runs = [measure(args.task, args.steps, args.lr, batch_size=b) for b in args.batch_sizes]
         for r in runs:
             r.pop("train_loss")  # the sweep is about worth; single runs keep the loss curve
-        sweep = dict(task=args.task, steps=args.steps, lr=runs[0]["lr"], seed=runs[0]["seed"], runs=runs, date=date,
-                     torch=torch.__version__,
-                     command=base + " --batch-sizes " + " ".join(map(str, args.batch_sizes)))
+        sweep = dict(run_metadata(base + " --batch-sizes " + " ".join(map(str, args.batch_sizes))),
+                     task=args.task, steps=args.steps, lr=runs[0]["lr"], seed=runs[0]["seed"], runs=runs)
         stem = args.out / f"predictors_{args.task}_batch_sweep"
         stem.with_suffix(".json").write_text(json.dumps(sweep, indent=1))
         text = sweep_markdown(sweep)
@@ -258,8 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         print(text)
         return 0
     result = measure(args.task, args.steps, args.lr, batch_size=args.batch_size)
-    result.update(command=base + (f" --batch-size {args.batch_size}" if args.batch_size else ""),
-                  date=date, torch=torch.__version__)
+    result.update(run_metadata(base + (f" --batch-size {args.batch_size}" if args.batch_size else "")))
     stem = f"predictors_{args.task}" + ("" if args.steps == 600 else f"_{args.steps}steps") + (
         f"_bs{args.batch_size}" if args.batch_size else "")  # keeps the default run's name
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))

@@ -1,13 +1,14 @@
-"""bench.scheduled: the arms predict on the probe's schedule with the scale they name, and the
+"""experiments.scheduled: the arms predict on the probe's schedule with the scale they name, and the
 command writes its result (digits, seconds)."""
 import json
 
 import pytest
 import torch
 
-from bench import scheduled
+from experiments import scheduled
 from bench.tasks import get_task
 from hybrid_trainer.predictor import DeltaPredictor
+from _images import assert_plot
 
 
 @pytest.fixture
@@ -52,7 +53,7 @@ def test_command_writes_every_arm(tmp_path):
     assert set(result["arms"]) == set(scheduled.ARMS)
     assert result["arms"]["plain"]["worth_per_predicted_step"]["n"] == 0
     assert result["arms"]["ema 0.99, α 1"]["predicted_steps"] == 40
-    assert (tmp_path / "scheduled_digits.png").stat().st_size > 0
+    assert_plot(tmp_path / "scheduled_digits.png", (8, 4.5), dpi=110)
 
 
 def test_weight_ema_direction_is_the_bias_corrected_ema_of_the_updates():

@@ -1,9 +1,10 @@
-"""bench.confidence: the ranking statistic, and a forced run's verdicts with their scores."""
+"""experiments.confidence: the ranking statistic, and a forced run's verdicts with their scores."""
 import json
 
 import pytest
 
-from bench import confidence
+from experiments import confidence
+from _images import assert_plot
 
 
 def test_roc_auc_is_the_probability_an_accepted_outscores_a_rejected():
@@ -37,4 +38,4 @@ def test_forced_run_records_every_verification_with_its_scores(tmp_path):
         assert 1 <= r["horizon"] <= r["phase_length"]
     assert digits["summary"]["verifications"] == len(records)
     assert (tmp_path / "confidence.md").read_text().count("| digits |") == 1
-    assert (tmp_path / "confidence.png").stat().st_size > 0
+    assert_plot(tmp_path / "confidence.png", (12, 3.8), dpi=110)

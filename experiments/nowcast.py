@@ -1,16 +1,16 @@
 """Learned weight nowcasting: record trajectories, train the nowcaster, measure verified jumps.
 
-    python -m bench.nowcast train     [--out docs/results]   # records source tasks, writes the asset
-    python -m bench.nowcast evaluate  --task charlm [--seeds 2] [--out docs/results]
-    python -m bench.nowcast dmd       --task fashion [--out docs/results]  # cross-parameter linear modes
-    python -m bench.nowcast report    [--out docs/results]   # nowcast.md from the JSON files
+    python -m experiments.nowcast train     [--out experiments/results]   # records source tasks, writes the asset
+    python -m experiments.nowcast evaluate  --task charlm [--seeds 2] [--out experiments/results]
+    python -m experiments.nowcast dmd       --task fashion [--out experiments/results]  # cross-parameter linear modes
+    python -m experiments.nowcast report    [--out experiments/results]   # nowcast.md from the JSON files
 
 ``train`` records AdamW trajectories (a snapshot every ``EVERY`` steps) on *source* tasks only:
 the char-LM on Python's standard-library source (``pylm``) and scikit-learn digits, at several
 learning rates. The benchmark's charlm (KJV) and fashion tasks are never seen. It fits
 :class:`hybrid_trainer.nowcaster.Nowcaster` on (element displacement history → displacement
 ``h`` snapshots ahead) pairs, reports the held-out error against the drift rule, and writes
-``docs/results/nowcaster.pt`` and ``<out>/nowcast_train.json``.
+``experiments/results/nowcaster.pt`` and ``<out>/nowcast_train.json``.
 
 ``evaluate`` trains the task's model with plain AdamW and, in paired arms (same initialisation,
 same training batches), the same loop that every ``context`` snapshots jumps the weights by a
@@ -23,14 +23,13 @@ target (the plain arm's validation loss at 80% of its steps), final validation l
 ``dmd`` asks whether the weights' future motion is predictable *across* parameters: it records a
 plain AdamW run with a snapshot every step and, every ``DMD_ORIGIN_EVERY`` steps, fits a
 dynamic mode decomposition (one low-rank linear map of all weights' displacements,
-``bench.nowcaster.dmd_nowcast``) to the last ``DMD_WINDOW`` displacements at several snapshot
+``experiments.nowcaster.dmd_nowcast``) to the last ``DMD_WINDOW`` displacements at several snapshot
 spacings and ranks, then compares its prediction of the displacement 10 and 40 steps ahead with
 what happened. Writes ``<out>/dmd_predictability_<task>.json``.
 """
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import statistics
 import sys
@@ -45,7 +44,8 @@ from hybrid_trainer.averaging import FAST_BETA, SLOW_BETA, lag
 from .nowcaster import (ASSET, Nowcaster, SnapshotHistory, dmd_nowcast, drift_nowcast, element_features,
                         secant_nowcast)
 
-from .tasks import get_task
+from bench.protocol import run_metadata
+from bench.tasks import get_task
 
 EVERY = 10  # real steps between snapshots
 RECORD_EVERY = 5  # source runs are recorded finer, so other spacings can be analysed from them
@@ -162,14 +162,14 @@ def train(out: Path, epochs: int = 6, per_index: int = 4000, seed: int = 0) -> d
         losses.append(total / max(1, len(x) // batch))
     model.eval()
     errors = relative_errors(model, *held_out, CONTEXT, HORIZONS)
-    meta = dict(sources=[s for s in recorded if (s["task"], s["lr"], s["seed"]) != HELD_OUT], every=EVERY,
-                samples=len(x), epochs=epochs, command="python -m bench.nowcast train",
-                date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
+    meta = run_metadata("python -m experiments.nowcast train",
+                        sources=[s for s in recorded if (s["task"], s["lr"], s["seed"]) != HELD_OUT], every=EVERY,
+                        samples=len(x), epochs=epochs)
     ASSET.parent.mkdir(parents=True, exist_ok=True)
     model.save(ASSET, meta)
     report = dict(meta, recorded=recorded, held_out=dict(zip(("task", "lr", "seed"), HELD_OUT)),
                   train_loss_by_epoch=losses, held_out_relative_error=errors,
-                  held_out_relative_error_by_spacing=spacing, torch=torch.__version__)
+                  held_out_relative_error_by_spacing=spacing)
     out.mkdir(parents=True, exist_ok=True)
     (out / "nowcast_train.json").write_text(json.dumps(report, indent=1))
     print(f"nowcaster fitted on {len(x)} element samples from {len(train_parts)} trajectories; held-out "
@@ -217,8 +217,7 @@ def dmd_predictability(task_name: str, out: Path, lr: float | None = None, seed:
                     err[f"{rank}"] += float((dmd_nowcast(disp, ahead // every, rank) - true).square().sum())
             for name, total in err.items():
                 errors[f"{every}"].setdefault(name, {})[f"{ahead}"] = total / norm
-    result = dict(command=f"python -m bench.nowcast dmd --task {task_name}",
-                  date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), torch=torch.__version__,
+    result = dict(run_metadata(f"python -m experiments.nowcast dmd --task {task_name}"),
                   task=task_name, data_source=task.data_source, lr=lr, seed=seed, steps=len(snaps) - 1,
                   window=DMD_WINDOW, origin_every=DMD_ORIGIN_EVERY, first_origin=first,
                   relative_error=errors)
@@ -380,9 +379,8 @@ def evaluate(task_name: str, seeds: int, out: Path, lr: float | None, arms: list
             jumps=len(jumps), jumps_accepted=sum(j["accepted"] for j in jumps),
             mean_train_time_s=statistics.mean(r["train_time_s"] for r in rs))
     stem = f"nowcast_{task_name}" + (f"_{tag}" if tag else "")
-    result = dict(command=f"python -m bench.nowcast evaluate --task {task_name} --seeds {seeds} --arms {' '.join(arms)}"
-                  + (f" --tag {tag}" if tag else ""),
-                  date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), torch=torch.__version__,
+    result = dict(run_metadata(f"python -m experiments.nowcast evaluate --task {task_name} --seeds {seeds} "
+                               f"--arms {' '.join(arms)}" + (f" --tag {tag}" if tag else "")),
                   threads=torch.get_num_threads(), task=task_name, data_source=task.data_source, lr=lr,
                   every=EVERY, context=CONTEXT, warmup=WARMUP, nowcaster=model.meta if model else None, summary=summary, runs=runs)
     out.mkdir(parents=True, exist_ok=True)
@@ -505,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=None)
     parser.add_argument("--arms", nargs="+", default=[f"{m}:{h}" for m in ("drift", "learned") for h in HORIZONS],
                         help="method:horizon pairs, method in {drift, learned, dmd, smooth, floor, floor-reset, average, secant}, horizon in snapshot intervals")
-    parser.add_argument("--out", type=Path, default=Path("docs/results"))
+    parser.add_argument("--out", type=Path, default=Path("experiments/results"))
     parser.add_argument("--tag", default=None, help="evaluate: write nowcast_<task>_<tag>.json instead of nowcast_<task>.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)

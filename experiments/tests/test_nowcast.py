@@ -1,10 +1,10 @@
-"""Weight-nowcasting experiment (bench/nowcast.py, bench/nowcaster.py): the pieces whose errors
+"""Weight-nowcasting experiment (experiments/nowcast.py, experiments/nowcaster.py): the pieces whose errors
 would silently change what the benchmark reports."""
 import pytest
 import torch
 
-from bench import nowcast
-from bench.nowcaster import Nowcaster, SnapshotHistory, dmd_nowcast, drift_nowcast, element_features, secant_nowcast
+from experiments import nowcast
+from experiments.nowcaster import Nowcaster, SnapshotHistory, dmd_nowcast, drift_nowcast, element_features, secant_nowcast
 from bench.tasks import get_task
 
 

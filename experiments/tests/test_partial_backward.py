@@ -1,11 +1,12 @@
-"""bench.partial_backward: the cut skips the lower layers' backward, the arms apply what they say,
+"""experiments.partial_backward: the cut skips the lower layers' backward, the arms apply what they say,
 and the command writes its result (digits, seconds)."""
 import json
 
 import torch
 
-from bench import partial_backward
+from experiments import partial_backward
 from bench.tasks import get_task
+from _images import assert_plot
 
 
 def test_lower_parameters_are_the_ones_below_the_cut():
@@ -63,4 +64,4 @@ def test_command_writes_the_summary(tmp_path):
     assert frozen["lower_backward_skipped"] == (steps - partial_backward.ALWAYS_REAL_STEPS + 1) // 2
     assert plain["reached_target"] == 1 and plain["speedup_vs_plain"]["mean"] == 1.0
     assert 0 < frozen["lower_parameter_share"] < 1
-    assert (tmp_path / "partial_backward_digits.png").stat().st_size > 0
+    assert_plot(tmp_path / "partial_backward_digits.png", (8, 4.5), dpi=110)

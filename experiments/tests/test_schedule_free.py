@@ -1,9 +1,11 @@
-"""bench.schedule_free's output contract on the quick char-LM (real data, seconds)."""
+"""experiments.schedule_free's output contract on the quick char-LM (real data, seconds)."""
 import json
 
 import pytest
 
-from bench import e2e, schedule_free
+from bench import protocol
+from experiments import schedule_free
+from _images import assert_plot
 
 pytest.importorskip("schedulefree")
 
@@ -20,12 +22,12 @@ def test_quick_exploration_writes_crossings_against_the_tuned_runs_target(tmp_pa
     # The target is the tuned run's own loss at 80% of the budget, so it crosses there or earlier.
     assert result["target_step"] == int(0.8 * result["steps"])
     assert tuned["crossing_step"] is not None and tuned["crossing_step"] <= result["target_step"] + 1e-9
-    assert result["target_val_loss"] == e2e.interpolate(tuned["curve"], "step", result["target_step"])
+    assert result["target_val_loss"] == protocol.interpolate(tuned["curve"], "step", result["target_step"])
     assert free["setting"]["optimizer"] == "schedule-free" and free["curve"][0] == tuned["curve"][0]
     assert free["final_val_loss"] == free["curve"][-1]["val_loss"] != tuned["final_val_loss"]
     table = (tmp_path / "schedule_free_charlm.md").read_text()
     assert "| schedule-free | 0.01 | 20 | (0.95, 0.95) | 2, 0 |" in table
-    assert (tmp_path / "schedule_free_charlm.png").stat().st_size > 5000
+    assert_plot(tmp_path / "schedule_free_charlm.png", (9, 5), dpi=110)
 
 
 def test_adamw_warm_up_is_linear_to_the_rate():

@@ -5,8 +5,8 @@ last ``context + 1`` copies give, per weight element, its ``context`` most recen
 ``d_1 (newest) … d_k``. A :class:`Nowcaster` maps them, normalised by the element's own recent
 step size ``s = mean_j |d_j|``, to the element's displacement over the next ``h`` snapshot
 intervals (in units of ``s``). It runs element-wise, so one small model serves any architecture;
-it is trained on trajectories recorded from *other* tasks (``python -m bench.nowcast train``,
-weights in ``docs/results/nowcaster.pt``). Measured not to pay (docs/results/nowcast_*.json), so
+it is trained on trajectories recorded from *other* tasks (``python -m experiments.nowcast train``,
+weights in ``experiments/results/nowcaster.pt``). Measured not to pay (experiments/results/nowcast_*.json), so
 it lives with the benchmark as evidence, not in the trainer.
 
 Rule-based nowcasts share the interface, so the benchmark compares like with like:
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-ASSET = Path(__file__).resolve().parent.parent / "docs" / "results" / "nowcaster.pt"
+ASSET = Path(__file__).resolve().parent / "results" / "nowcaster.pt"
 _CHUNK = 1 << 18  # elements per MLP evaluation: bounds the temporary activations
 _TINY = 1e-12
 

@@ -1,0 +1,142 @@
+"""The README's result tables, generated from the committed result JSON so they cannot drift.
+
+    python -m bench.readme_tables [--check] [--readme README.md]
+
+Each table lives between ``<!-- table:NAME -->`` and ``<!-- /table -->`` in the README; this
+rewrites what is between the markers from :data:`TABLES` and leaves the rest of the file alone.
+``--check`` writes nothing and exits 1 when a table differs from what the JSON gives (a test runs
+it, so a result re-run without regenerating the README fails the suite). Every figure a table shows
+is read from a file it names, and every row names the command that wrote that file.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "docs" / "results"
+TASKS = {"charlm": "char-LM", "fashion": "Fashion-MNIST", "digits": "digits"}
+NOT_MEASURED = "not yet measured"
+MARKER = re.compile(r"(<!-- table:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
+
+
+def _load(name: str) -> dict:
+    return json.loads((RESULTS / name).read_text())
+
+
+def _e2e(task: str) -> dict:
+    return _load(f"e2e_{task}.json")
+
+
+def _cmd(data: dict) -> str:
+    return f"`{data['meta']['command']}`"
+
+
+def _speedup(data: dict, arm: str) -> str:
+    """Mean over seeds of the per-seed speed-up to the target against the tuned AdamW loop, with
+    how many seeds reached it when not all did."""
+    a = data["arms"][arm]
+    s, n = a["summary"], len(a["seeds"])
+    if s["speedup_vs_baseline"]["mean"] is None:
+        return f"not reached (0 of {n} seeds)"
+    text = f"{s['speedup_vs_baseline']['mean']:.2f}×"
+    return text if s["reached_target"] == n else f"{text} ({s['reached_target']} of {n} seeds reached)"
+
+
+def _switched_off(datas: list[dict], arm: str) -> tuple[int, int, float]:
+    """(seeds where prediction ended switched off, seeds run, largest % of backward passes saved)."""
+    seeds = [s["hybrid"] for d in datas for s in d["arms"][arm]["seeds"]]
+    off = sum(not h["prediction_enabled"] for h in seeds)
+    return off, len(seeds), max(100 * h["backward_saved_fraction"] for h in seeds)
+
+
+def status() -> str:
+    """What pays and what does not: one measured figure per row with its command."""
+    e2e = {t: _e2e(t) for t in TASKS}
+    ddp = _load("ddp_fashion.json")
+    off, runs, saved = _switched_off(list(e2e.values()), "HybridTrainer (default)")
+    per_task = lambda arm: " / ".join(_speedup(e2e[t], arm) for t in TASKS)  # noqa: E731
+    cmd = _cmd(e2e["charlm"])
+    no_predict = ddp["arms"]["HybridTrainer (no-predict)"]
+    rows = [
+        ("Predicted weight updates (the default trainer)",
+         f"**do not pay**: prediction switched itself off in {off} of {runs} runs, having saved at most "
+         f"{saved:.1f}% of backward passes; speed-up {per_task('HybridTrainer (default)')}", cmd),
+        ("The trainer over Muon + AdamW (char-LM)",
+         f"**{_speedup(e2e['charlm'], 'HybridTrainer (muon)')}** sooner than tuned AdamW; the plain Muon loop "
+         f"{_speedup(e2e['charlm'], 'Muon + AdamW')}: the gain is the optimizer's", cmd),
+        ("The trainer over schedule-free AdamW (Fashion-MNIST)",
+         f"**{_speedup(e2e['fashion'], 'HybridTrainer (schedule-free)')}** sooner; the plain schedule-free loop "
+         f"{_speedup(e2e['fashion'], 'Schedule-free AdamW')}: the gain is the optimizer's", cmd),
+        ("The trainer's cost in time, prediction off (`predict=False`)",
+         f"speed-up {per_task('HybridTrainer (no-predict)')} (1.00× would be free)", cmd),
+        ("The same under DDP (2 CPU ranks, Fashion-MNIST)",
+         f"{no_predict['time_vs_plain']:.2f}× the plain DDP loop's training time (seeds "
+         f"{no_predict['time_vs_plain_range'][0]:.2f}–{no_predict['time_vs_plain_range'][1]:.2f})", _cmd(ddp)),
+        ("The trainer's per-step overhead in isolation; its memory overhead", NOT_MEASURED, "–"),
+    ]
+    lines = ["| what | measured (char-LM / Fashion-MNIST / digits where three) | command |", "|---|---|---|"]
+    lines += [f"| {what} | {figure} | {command} |" for what, figure, command in rows]
+    return "\n".join(lines)
+
+
+E2E_COLUMNS = (("HybridTrainer (default)", "trainer (default)"), ("HybridTrainer (no-predict)", "`predict=False`"),
+               ("HybridTrainer (muon)", "trainer over Muon + AdamW"), ("Muon + AdamW", "plain Muon + AdamW"),
+               ("HybridTrainer (schedule-free)", "trainer over schedule-free"),
+               ("Schedule-free AdamW", "plain schedule-free"), ("HybridTrainer (weight-average)", "`weight_average=True`"),
+               ("AdamW + weight average", "plain AdamW + weight average"), ("AdamW (2x lr)", "AdamW 2× lr"))
+
+
+def e2e() -> str:
+    """Speed-up to the tuned AdamW loop's target of every arm of the end-to-end benchmark."""
+    lines = ["| task | tuned AdamW: time to target | " + " | ".join(label for _, label in E2E_COLUMNS) + " |",
+             "|---" * (len(E2E_COLUMNS) + 2) + "|"]
+    for task, label in TASKS.items():
+        data = _e2e(task)
+        tuned = data["arms"]["AdamW (tuned lr)"]["summary"]["time_to_target_s"]
+        cells = [_speedup(data, arm) for arm, _ in E2E_COLUMNS]
+        lines.append(f"| {label} | {tuned['mean']:.2f} ± {tuned['std']:.2f} s | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+TABLES: dict[str, Callable[[], str]] = {"status": status, "e2e": e2e}
+
+
+def render(text: str) -> str:
+    """``text`` with every marked table regenerated; an unknown table name is an error."""
+    def fill(match: re.Match) -> str:
+        name = match.group("name")
+        if name not in TABLES:
+            raise ValueError(f"README table {name!r}: no generator (known: {sorted(TABLES)})")
+        return f"{match.group(1)}{TABLES[name]()}\n{match.group(4)}"
+
+    return MARKER.sub(fill, text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--readme", type=Path, default=ROOT / "README.md")
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a table is out of date")
+    args = parser.parse_args(argv)
+    text = args.readme.read_text()
+    names = [m.group("name") for m in MARKER.finditer(text)]
+    if not names:
+        parser.error(f"--readme: {args.readme} has no <!-- table:NAME --> ... <!-- /table --> region")
+    new = render(text)
+    if args.check:
+        if new != text:
+            print(f"{args.readme}: tables out of date with the result JSON (run python -m bench.readme_tables)",
+                  file=sys.stderr)
+            return 1
+        return 0
+    args.readme.write_text(new)
+    print(f"rewrote {len(names)} table(s) in {args.readme}: {', '.join(names)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""The README and docs stay true: the quick start runs, the result tables match the result JSON,
+every relative link resolves, and no text points outside the repository or at issue numbers."""
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import readme_tables
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", ROOT / "experiments" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def _quick_start() -> str:
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Quick start"):]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+@pytest.mark.slow
+def test_quick_start_runs(tmp_path):
+    """The README's quick start, run as a user would paste it (its own process, a fresh directory):
+    it trains, prints the summary and writes a checkpoint that loads."""
+    code = _quick_start()
+    assert 10 <= len(code.strip().splitlines()) <= 25  # a quick start, not a tutorial
+    script = code + "\nassert sum(trainer.stats.steps_by_phase.values()) == 200\ntrainer.load('run.pt')\nprint('LOADED')\n"
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "LOADED" in done.stdout and (tmp_path / "run.pt").stat().st_size > 0
+
+
+def test_readme_tables_match_the_result_json():
+    text = (ROOT / "README.md").read_text()
+    assert {"status", "e2e"} <= {m.group("name") for m in readme_tables.MARKER.finditer(text)}
+    assert readme_tables.render(text) == text, "README tables are stale: run python -m bench.readme_tables"
+
+
+def test_readme_tables_refuse_an_unknown_table():
+    with pytest.raises(ValueError, match="nosuch"):
+        readme_tables.render("<!-- table:nosuch -->\nold\n<!-- /table -->\n")
+
+
+def test_status_table_rows_carry_a_figure_and_a_command_or_say_not_measured():
+    rows = [line for line in readme_tables.status().splitlines()[2:]]
+    assert len(rows) >= 5
+    for row in rows:
+        what, figure, command = [cell.strip() for cell in row.strip("|").split(" | ")]
+        assert (re.search(r"\d\.\d\d×", figure) and command.startswith("`python -m ")) or \
+            (figure == readme_tables.NOT_MEASURED and command == "–"), row
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(doc):
+    for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+        if re.match(r"[a-z]+://|#|mailto:", target):
+            continue
+        assert (doc.parent / target.split("#")[0]).exists(), f"{doc.relative_to(ROOT)}: broken link {target}"
+
+
+def test_no_references_outside_the_repository_or_to_issue_numbers():
+    """Docs and code speak for themselves: no ``../shared``-style paths, notes kept elsewhere or
+    issue numbers (result files are left as they were written)."""
+    files = [*DOCS, *ROOT.glob("bench/*.py"), *ROOT.glob("experiments/*.py"), *ROOT.glob("hybrid_trainer/*.py"),
+             *ROOT.glob("hybrid_kernels/*.py"), *ROOT.glob("tests/*.py"), ROOT / "Makefile", ROOT / "pyproject.toml"]
+    pattern = re.compile(r"\.\./shared|shared/(notes|design)|notes/\w+\.md|[Ii]ssue #?\d+|(?<![&\w])#\d{1,3}\b")
+    hits = [f"{f.relative_to(ROOT)}:{n}: {line.strip()[:100]}" for f in files if f.name != "test_readme.py"
+            for n, line in enumerate(f.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not hits, "\n".join(hits)
