@@ -8,8 +8,10 @@
 """
 from .combined_optimizer import CombinedOptimizer
 from .config import HybridConfig
+from .errors import TrainingStalledError
 from .phases import Phase
 from .trainer import HybridTrainer, StepResult
 
 __version__ = "0.1.0"
-__all__ = ["CombinedOptimizer", "HybridConfig", "HybridTrainer", "Phase", "StepResult", "__version__"]
+__all__ = ["CombinedOptimizer", "HybridConfig", "HybridTrainer", "Phase", "StepResult", "TrainingStalledError",
+           "__version__"]

@@ -48,7 +48,7 @@ def fingerprint(trainer) -> str:
     """Digest of the weights and buffers (bit for bit)."""
     digest = hashlib.sha1()
     for t in list(trainer.model.parameters()) + list(trainer.model.buffers()):
-        digest.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        digest.update(t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 
