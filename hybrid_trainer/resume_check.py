@@ -50,10 +50,17 @@ def non_finite_names(named: Iterable[tuple[str, Any]]) -> list[str]:
     if not pairs:
         return []
     norms = torch._foreach_norm([t.detach() for _, t in pairs], math.inf)
-    finite = torch.isfinite(torch.stack([n.float().cpu() for n in norms]))
-    if bool(finite.all()):
-        return []
-    return [name for (name, _), ok in zip(pairs, finite.tolist()) if not ok]
+    # One flag per tensor, stacked where the tensors live, then read once per device (a read per
+    # tensor would wait for a GPU's queue once per tensor).
+    by_device: dict[torch.device, list[int]] = {}
+    for index, norm in enumerate(norms):
+        by_device.setdefault(norm.device, []).append(index)
+    finite = [True] * len(pairs)
+    for indices in by_device.values():
+        flags = torch.isfinite(torch.stack([norms[i].float() for i in indices])).tolist()
+        for i, ok in zip(indices, flags):
+            finite[i] = ok
+    return [name for (name, _), ok in zip(pairs, finite) if not ok]
 
 
 def _require_finite(named: Iterable[tuple[str, Any]], where: str) -> None:
@@ -134,7 +141,8 @@ def check_optimizer(saved: dict[str, Any], optimizer: torch.optim.Optimizer, sav
         keys, saved_keys = set(group) - {"params"}, set(saved_group) - {"params"}
         if keys != saved_keys:
             _fail(f"optimizer param group {index} was saved with hyperparameters {sorted(saved_keys)}, this "
-                  f"{mine}'s has {sorted(keys)}: saved by another optimizer class")
+                  f"{mine}'s has {sorted(keys)}: saved by another optimizer class (or torch version), whose "
+                  f"groups this one would step with missing settings")
     params = [p for g in groups for p in g["params"]]
     # torch's own optimizers keep param-shaped state (and 0-d counters); others may factor it (Adafactor).
     param_shaped = type(optimizer).__module__.startswith("torch.optim")

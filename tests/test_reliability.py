@@ -260,3 +260,36 @@ def test_a_failed_emergency_checkpoint_warns_and_the_step_completes(stream, tmp_
         trainer.step(stream[1])  # below the re-armed level no second attempt, no second warning
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1]
+
+
+# ------------------------------------------------------------------------------- the pieces ----
+def test_non_finite_names_names_each_non_finite_floating_tensor_once():
+    from hybrid_trainer.resume_check import non_finite_names
+
+    named = [("a", torch.ones(3)), ("b", torch.tensor([1.0, math.nan])), ("c", torch.tensor([math.inf])),
+             ("d", torch.tensor([-math.inf], dtype=torch.bfloat16)), ("e", torch.tensor([7])),
+             ("f", torch.empty(0)), ("g", 3.0)]
+    assert non_finite_names(named) == ["b", "c", "d"]
+    assert non_finite_names([("a", torch.full((4,), 3e38))]) == []  # large is not infinite
+
+
+def test_buffer_guard_restores_a_buffer_the_forward_reassigned():
+    from hybrid_trainer.anchor import buffer_slots
+    from hybrid_trainer.buffer_guard import BufferGuard
+
+    class Normaliser(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("mean", torch.zeros(4))
+
+        def forward(self, x):
+            self.mean = 0.9 * self.mean + 0.1 * x.mean(0)  # a new tensor under the name
+            return x - self.mean
+
+    model = Normaliser()
+    guard = BufferGuard(buffer_slots(model))
+    guard.before_forward()
+    model(torch.full((2, 4), math.nan))
+    guard.restore()
+    assert torch.equal(model.mean, torch.zeros(4))
+    assert not BufferGuard(buffer_slots(torch.nn.Linear(2, 2))).active
