@@ -276,5 +276,8 @@ class StepGuard:
             return
         why = (f"restoring the last good state (step {self.good_state.step}) did not help"
                if self.good_state.is_set else "there is no good state to restore")
-        raise TrainingStalledError(f"training stalled{where}: {detail}; {why}. Check the data, the learning "
-                                   f"rate or the checkpoint resumed from", non_finite)
+        hint = ("check the data, the learning rate or the checkpoint resumed from" if non_finite else
+                "check the data and the learning rate; if the refused steps are a loss that legitimately "
+                "changed level (a new data regime), loosen HybridConfig.divergence (loss_jump_factor, "
+                "loss_z_critical, grad_explosion_factor)")
+        raise TrainingStalledError(f"training stalled{where}: {detail}; {why}: {hint}", non_finite)
