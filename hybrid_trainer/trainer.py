@@ -566,8 +566,17 @@ class HybridTrainer:
         """Write the full state atomically (temporary file, fsync, rename).
 
         Under DDP every rank must call it (it is collective): rank 0 writes one file holding the
-        shared state and every rank's random streams, and all ranks return once it exists."""
+        shared state and every rank's random streams, and all ranks return once it exists.
+
+        Refuses (``ValueError`` naming them) to write weights, buffers or optimizer state holding
+        NaN or Inf: ``load`` would refuse the file, and a NaN from outside the guard's view (a
+        batch-norm statistic, between good-state snapshots) must not outlive the run in it."""
         self._state_home()
+        bad = self.guard.non_finite_state()  # the same on every rank (DDP keeps them equal): all raise
+        if bad:
+            raise ValueError(f"save: refusing to write a checkpoint holding NaN or Inf in {', '.join(bad[:8])}"
+                             f"{' and more' if len(bad) > 8 else ''} (load would refuse it); the guard restores "
+                             f"the last good state at its next snapshot or refusal")
         state = self.state_dict()
         if self.ranks.active:
             state["rng_by_rank"] = self.ranks.gather(state["rng"])

@@ -293,3 +293,14 @@ def test_buffer_guard_restores_a_buffer_the_forward_reassigned():
     guard.restore()
     assert torch.equal(model.mean, torch.zeros(4))
     assert not BufferGuard(buffer_slots(torch.nn.Linear(2, 2))).active
+
+
+def test_save_refuses_to_write_non_finite_buffers(stream, tmp_path):
+    trainer = make_trainer(predict=False)  # the batch-norm MLP
+    for b in stream[:3]:
+        trainer.step(b)
+    with torch.no_grad():
+        trainer.model[1].running_var[0] = math.inf
+    with pytest.raises(ValueError, match=r"buffer '1\.running_var'"):
+        trainer.save(tmp_path / "poisoned.pt")
+    assert not (tmp_path / "poisoned.pt").exists()
