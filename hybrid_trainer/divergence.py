@@ -43,11 +43,18 @@ While the loss falls, the window holds older, higher losses, which raise both it
 with ``python -m bench.divergence_scores`` (plain AdamW, a default monitor, a loss 10x the step's own): on the
 char-LM z was 87 to 347 at steps 12-400 (CRITICAL throughout); on digits z was 123, 17.8, **5.8**, 17.3, 13.1,
 15.2 and 21.6 at steps 12, 30, 60, 100, 200, 300 and 400, so at step 60 that loss was only a WARNING (it was
-2.1x the largest loss in the window). Runs whose loss falls faster within the window score lower still. What
-*is* promised for any run: a loss more than ``loss_jump_factor`` (10) times the largest loss of the window is
+2.1x the largest loss in the window); how low it goes depends on how fast a run's loss falls within the
+window. What *is* promised for any run: a loss more than ``loss_jump_factor`` (10) times the largest loss of the window is
 refused (``loss_jump``), whatever the z-score and however short the history, and a non-finite one always is.
 Why the largest loss of the window rather than the step's own: a single minibatch loss several times its
 neighbours is ordinary near a small training loss; ten times the largest of the last ``window`` is not.
+
+Why history-free rules for the first steps: the z-score and the median grad-norm test need ``min_history``
+accepted values, and a run (or, before ``rewind_window``, every rollback) began with that many steps in which
+only a non-finite value was refused, so a 1e6x loss went through. The two jump rules need one value and are
+conservative where a few values are a poor reference: the loss rule compares with the largest loss seen,
+which early in a run is the initial, highest one; the grad rule, active only until ``min_history`` norms were
+seen, compares with the largest norm seen and asks for 100x (the steady rule asks 10x the median).
 
 Why the z-score reference is the median of the *whole* window rather than the last few values: on a falling
 loss the window median sits above the newest values, so the ordinary downward trend can never look like a
