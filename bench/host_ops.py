@@ -42,22 +42,61 @@ def _caller(frame, package: str) -> str | None:
     return None
 
 
+def _reader(frame) -> str:
+    """Who reads a value: the optimizer (its step counters are host tensors, read by the plain
+    loop too), the innermost ``hybrid_trainer`` function, or someone else."""
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if "/torch/optim/" in name:
+            return "optimizer"
+        if "/hybrid_trainer/" in name:
+            return f"{name.rsplit('/', 1)[-1]}:{frame.f_code.co_name}"
+        frame = frame.f_back
+    return "outside the trainer"
+
+
 class HostOps(TorchDispatchMode):
     """Context manager recording the aten ops issued inside it, outside the Triton interpreter.
 
     ``.ops``: op names in order. ``.by_caller``: counts per innermost ``hybrid_trainer``
-    function (None: anything else, e.g. the model's forward or the optimizer)."""
+    function (None: anything else, e.g. the model's forward or the optimizer).
+
+    ``.read_backs``: the reads of a tensor's value by the host, each a wait for the device on a
+    GPU, by caller: ``_local_scalar_dense`` (``item()``, ``float()``, ``bool()``) and
+    ``Tensor.tolist()``, which copies without dispatching an op and is counted by wrapping it."""
+
+    READ_BACK_OPS = ("_local_scalar_dense",)
 
     def __init__(self):
         super().__init__()
         self.ops: list[str] = []
         self.by_caller: collections.Counter[str | None] = collections.Counter()
+        self.read_backs: collections.Counter[str | None] = collections.Counter()
+        self._tolist = None
+
+    def __enter__(self):
+        original = self._tolist = torch.Tensor.tolist
+        counter = self
+
+        def tolist(tensor):
+            counter.read_backs[_reader(sys._getframe(1))] += 1
+            return original(tensor)
+
+        torch.Tensor.tolist = tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         caller = _caller(sys._getframe(1), "hybrid_trainer")
         if caller != "interpreter":
-            self.ops.append(func.overloadpacket.__name__)
+            name = func.overloadpacket.__name__
+            self.ops.append(name)
             self.by_caller[caller] += 1
+            if name in self.READ_BACK_OPS:
+                self.read_backs[_reader(sys._getframe(1))] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -82,6 +121,7 @@ def count_arm(task, arm: str, warmup: int, steps: int, lr: float) -> dict:
     for _ in range(warmup):
         step(next(stream))
     per_step, callers, phases = [], collections.Counter(), collections.Counter()
+    reads_per_step, readers = [], collections.Counter()
     for _ in range(steps):
         batch = next(stream)
         if trainer is not None:
@@ -89,23 +129,31 @@ def count_arm(task, arm: str, warmup: int, steps: int, lr: float) -> dict:
         with HostOps() as host:
             step(batch)
         per_step.append(len(host.ops))
+        reads_per_step.append(sum(host.read_backs.values()))
+        readers.update(host.read_backs)
         callers.update({(k or "model + optimizer"): v for k, v in host.by_caller.items()})
     return dict(median=statistics.median(per_step), max=max(per_step), min=min(per_step),
                 per_caller={k: v / steps for k, v in callers.most_common()}, phases=dict(phases),
+                read_backs_median=statistics.median(reads_per_step), read_backs_max=max(reads_per_step),
+                read_backs_by_caller={k: v / steps for k, v in readers.most_common()},
                 parameter_tensors=len(list(model.parameters())),
                 prediction_enabled=None if trainer is None else trainer.controller.prediction_enabled)
 
 
 def markdown(results: dict) -> str:
     lines = [f"Host ops per training step, `{results['command']}` ({results['date']}, torch {results['torch']}, "
-             "CPU; every op is a launch or an allocator call on a GPU).", ""]
+             "CPU; every op is a launch or an allocator call on a GPU). Read-backs: the host reading a tensor's "
+             "value (`item()`, `float()`, `bool()`, `tolist()`), each a wait for the device on a GPU.", ""]
     for task, arms in results["tasks"].items():
         first = next(iter(arms.values()))
         lines += [f"### {task} ({first['parameter_tensors']} parameter tensors)", "",
-                  "| arm | ops per step (median) | min–max | top callers (mean ops per step) |", "|---|---|---|---|"]
+                  "| arm | ops per step (median) | min–max | top callers (mean ops per step) | read-backs per step "
+                  "(median, max) | read by (mean per step) |", "|---|---|---|---|---|---|"]
         for arm, r in arms.items():
             top = ", ".join(f"{k} {v:.0f}" for k, v in list(r["per_caller"].items())[:4])
-            lines.append(f"| {arm} | {r['median']:.0f} | {r['min']}–{r['max']} | {top} |")
+            readers = ", ".join(f"{k} {v:.2g}" for k, v in r.get("read_backs_by_caller", {}).items()) or "none"
+            lines.append(f"| {arm} | {r['median']:.0f} | {r['min']}–{r['max']} | {top} | "
+                         f"{r.get('read_backs_median', 0):.0f}, {r.get('read_backs_max', 0)} | {readers} |")
         lines.append("")
     return "\n".join(lines)
 

@@ -1,8 +1,25 @@
 """Exact snapshots of weights, module buffers and optionally optimizer state, for bit-exact rollback.
 
 Rollback never subtracts the applied deltas (float addition is not invertible); it copies the
-saved values back. Copies are allocated once and refreshed with ``copy_``, so taking an anchor
-allocates nothing after the first time, and restoring never reallocates a parameter.
+saved values back, into the same storages (restoring never reallocates a parameter).
+
+Where the copy lives (``storage``):
+
+* ``"device"``: beside each tensor, allocated once and refreshed with ``copy_``. The fastest to
+  take and restore, and the costliest in memory: a snapshot with the optimizer state of AdamW
+  is three times the weights, on the device that trains.
+* ``"host"``: in host memory (page-locked on a GPU, so the device-to-host copy is queued without
+  waiting; a restore or read waits for it). On a CPU the host *is* the device: same as ``"device"``.
+* ``"file"``: written to an unlinked temporary file (``os.pwritev``: one system call for all
+  tensors, straight from their memory, no staging copy) and read back in place with
+  ``os.preadv``. The bytes go to the kernel's page cache and on to disk by its own background
+  writeback; they are not the process's memory and the page cache may drop them once written.
+  The file has no name, so nothing is left behind whatever ends the process.
+
+A snapshot in a file costs a memory copy per save (about what ``"device"`` costs) and a read per
+restore; it suits a snapshot taken rarely and restored more rarely still (the divergence
+rollback's good state, every ``good_state_every`` real steps), not the predict phase's anchor,
+which is taken at every verification.
 
 Module buffers (batch-norm running statistics and their counters) are part of the snapshot: a
 train-mode forward updates them, so a verification forward through rejected weights, or the
@@ -13,7 +30,99 @@ name, and a reference taken once would keep snapshotting and restoring the disca
 """
 from __future__ import annotations
 
+import os
+import tempfile
+from typing import Any
+
 import torch
+
+STORAGES = ("device", "host", "file")
+_IOV_MAX = 1024  # buffers per pwritev/preadv call (Linux's IOV_MAX)
+_CALL_BYTES = 1 << 30  # bytes per call: Linux moves at most ~2 GiB per read/write call
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    """Writable bytes of a contiguous CPU tensor (any dtype), sharing its memory."""
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+class _FileTensors:
+    """Tensors kept at fixed offsets of an unlinked temporary file: one ``pwritev`` to save
+    them all, one ``preadv`` to read them back into tensors of the same shapes and dtypes."""
+
+    def __init__(self, directory: str | None = None):
+        self._file = tempfile.TemporaryFile(dir=directory)  # unlinked at once; closed with this object
+        self.layout: list[tuple[torch.Size, torch.dtype, torch.device]] = []
+
+    def __len__(self) -> int:
+        return len(self.layout)
+
+    def close(self) -> None:
+        self._file.close()
+
+    def write(self, tensors: list[torch.Tensor]) -> None:
+        self.layout = [(t.shape, t.dtype, t.device) for t in tensors]
+        sources = [t.detach() if t.device.type == "cpu" and t.is_contiguous() else t.detach().cpu().contiguous()
+                   for t in tensors]
+        self._transfer(os.pwritev, [_byte_view(t) for t in sources if t.numel()])
+
+    def read_into(self, targets: list[torch.Tensor]) -> None:
+        """Read every saved tensor into ``targets`` (same shapes and dtypes), bit-exact."""
+        staged = []  # targets the file cannot be read into directly: read to the host, then copied
+        views = []
+        for t in targets:
+            if t.numel() == 0:
+                continue
+            if t.device.type == "cpu" and t.is_contiguous():
+                views.append(_byte_view(t))
+            else:
+                host = torch.empty(t.shape, dtype=t.dtype)
+                staged.append((t, host))
+                views.append(_byte_view(host))
+        self._transfer(os.preadv, views)
+        for target, host in staged:
+            target.copy_(host)
+
+    def read(self, indices: list[int] | None = None) -> list[torch.Tensor]:
+        """New CPU tensors holding the saved values (all of them, or those at ``indices``)."""
+        tensors = [torch.empty(shape, dtype=dtype) for shape, dtype, _ in self.layout]
+        self.read_into(tensors)
+        return tensors if indices is None else [tensors[i] for i in indices]
+
+    def _transfer(self, call, views: list[memoryview]) -> None:
+        fd, offset, i = self._file.fileno(), 0, 0
+        while i < len(views):
+            batch, size = [], 0
+            while i < len(views) and len(batch) < _IOV_MAX and (not batch or size + views[i].nbytes <= _CALL_BYTES):
+                batch.append(views[i])
+                size += views[i].nbytes
+                i += 1
+            done = call(fd, batch, offset)
+            if done != size:  # a short transfer (rare): finish each buffer on its own
+                self._finish(call, fd, batch, offset, done)
+            offset += size
+
+    @staticmethod
+    def _finish(call, fd: int, batch: list[memoryview], offset: int, done: int) -> None:
+        for view in batch:
+            n = view.nbytes
+            if done >= n:
+                done -= n
+                offset += n
+                continue
+            pos = done
+            while pos < n:
+                moved = call(fd, [view[pos:]], offset + pos)
+                if moved <= 0:
+                    raise OSError(f"snapshot file: {call.__name__} moved {moved} bytes at offset {offset + pos}")
+                pos += moved
+            done = 0
+            offset += n
+
+
+class _FileSlot(int):
+    """Marks an optimizer-state tensor kept in the file: its index there (a plain int stays a
+    value, e.g. an optimizer's integer step count)."""
 
 
 class WeightAnchor:
@@ -21,119 +130,260 @@ class WeightAnchor:
 
     Args:
         params: the tensors to snapshot (model parameters, in a fixed order).
-        device: where the copy lives (default: beside each parameter). ``"cpu"`` keeps GPU
-            memory free at the cost of a device-to-host copy per snapshot.
+        device: for ``storage="device"``, where the copy lives (default: beside each parameter).
         buffers: module buffers to snapshot with them, as ``(module, name)`` pairs (any dtype;
             see :func:`buffer_slots`).
+        storage: ``"device"``, ``"host"`` or ``"file"`` (see the module docstring).
+        directory: for ``storage="file"``, the folder of the temporary file (default: the
+            system's temporary folder, ``TMPDIR``).
     """
 
     def __init__(self, params: list[torch.Tensor], device: str | torch.device | None = None,
-                 buffers: list[tuple[torch.nn.Module, str]] | None = None):
+                 buffers: list[tuple[torch.nn.Module, str]] | None = None, storage: str = "device",
+                 directory: str | None = None):
+        if storage not in STORAGES:
+            raise ValueError(f"storage must be one of {STORAGES}, got {storage!r}")
         self.params = params
         self.buffer_slots = list(buffers or [])
+        self.storage = storage
+        self.directory = directory
         self._device = None if device is None else torch.device(device)
-        self._saved: list[torch.Tensor] | None = None
+        self._saved: list[torch.Tensor] | None = None  # "device"/"host": the copies
+        self._file: _FileTensors | None = None  # "file": where the copies are
+        self._is_set = False
         self._buffers_saved: list[torch.Tensor] = []
-        self._optimizer_saved: dict[int, dict[str, torch.Tensor | object]] | None = None
+        self._buffer_layout: list[tuple[torch.Size, torch.dtype]] = []
+        # Per parameter: {key: tensor copy ("device"/"host"), index into the file ("file"), or a
+        # non-tensor value}; None when the optimizer was not snapshotted.
+        self._optimizer_saved: list[dict[str, Any]] | None = None
+        self._optimizer_tensor_keys: list[tuple[int, str]] = []  # "file": (param index, key) per file slot
+        self._pending: torch.cuda.Event | None = None  # "host" on a GPU: the copy in flight
         self.step: int | None = None  # trainer step at which the snapshot was taken
 
     @property
     def is_set(self) -> bool:
-        return self._saved is not None
+        return self._is_set
 
     @property
     def buffers(self) -> list[torch.Tensor]:
         """The tensors the model holds under the snapshotted buffer names now."""
         return [module._buffers[name] for module, name in self.buffer_slots]
 
+    def _home(self, t: torch.Tensor) -> torch.device:
+        if self.storage == "host":
+            return torch.device("cpu")
+        return self._device or t.device
+
+    def _copy_for(self, t: torch.Tensor) -> torch.Tensor:
+        pinned = self.storage == "host" and t.device.type == "cuda"
+        return torch.empty(t.shape, dtype=t.dtype, device=self._home(t), pin_memory=pinned)
+
+    # -------------------------------------------------------------------------- save ----
     @torch.no_grad()
     def save(self, step: int, optimizer: torch.optim.Optimizer | None = None) -> None:
-        if self._saved is None:
-            self._saved = [torch.empty_like(p, device=self._device or p.device) for p in self.params]
-        buffers = self.buffers
-        if [(s.shape, s.dtype) for s in self._buffers_saved] != [(b.shape, b.dtype) for b in buffers]:
-            self._buffers_saved = [torch.empty_like(b, device=self._device or b.device) for b in buffers]
-        torch._foreach_copy_(self._saved, [p.detach() for p in self.params])
-        for saved, buffer in zip(self._buffers_saved, buffers):
-            saved.copy_(buffer)
-        if optimizer is not None:
-            self._save_optimizer(optimizer)
+        params = [p.detach() for p in self.params]
+        buffers = [b.detach() for b in self.buffers]
+        slots = self._optimizer_slots(optimizer) if optimizer is not None else None
+        if self.storage == "file":
+            self._save_to_file(params, buffers, slots)
         else:
-            self._optimizer_saved = None
+            self._save_to_memory(params, buffers, slots)
+        self._is_set = True
         self.step = step
 
-    def _save_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        saved = self._optimizer_saved if self._optimizer_saved is not None else {}
-        for p in self.params:
-            state = optimizer.state.get(p, {})
-            slot = saved.setdefault(id(p), {})
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor):
-                    buffer = slot.get(key)
-                    if not isinstance(buffer, torch.Tensor) or buffer.shape != value.shape:
-                        buffer = torch.empty_like(value, device=self._device or value.device)
-                        slot[key] = buffer
-                    buffer.copy_(value)
-                else:
-                    slot[key] = value
-        self._optimizer_saved = saved
+    def _optimizer_slots(self, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+        return [dict(optimizer.state.get(p, {})) for p in self.params]
 
+    def _save_to_memory(self, params, buffers, slots) -> None:
+        if self._saved is None:
+            self._saved = [self._copy_for(p) for p in params]
+        if [(s.shape, s.dtype) for s in self._buffers_saved] != [(b.shape, b.dtype) for b in buffers]:
+            self._buffers_saved = [self._copy_for(b) for b in buffers]
+        non_blocking = self.storage == "host"
+        torch._foreach_copy_(self._saved, params, non_blocking=non_blocking)
+        for saved, buffer in zip(self._buffers_saved, buffers):
+            saved.copy_(buffer, non_blocking=non_blocking)
+        if slots is None:
+            self._optimizer_saved = None
+        else:
+            previous = self._optimizer_saved or [{} for _ in slots]
+            saved_slots = []
+            for state, old in zip(slots, previous):
+                slot = {}
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor):
+                        copy = old.get(key)
+                        if not isinstance(copy, torch.Tensor) or copy.shape != value.shape or copy.dtype != value.dtype:
+                            copy = self._copy_for(value)
+                        copy.copy_(value, non_blocking=non_blocking)
+                        slot[key] = copy
+                    else:
+                        slot[key] = value
+                saved_slots.append(slot)
+            self._optimizer_saved = saved_slots
+        if non_blocking and any(p.device.type == "cuda" for p in params):
+            self._pending = torch.cuda.Event()
+            self._pending.record()
+
+    def _save_to_file(self, params, buffers, slots) -> None:
+        if self._file is None:
+            self._file = _FileTensors(self.directory)
+        tensors = list(params) + list(buffers)
+        self._buffer_layout = [(b.shape, b.dtype) for b in buffers]
+        self._optimizer_tensor_keys = []
+        if slots is None:
+            self._optimizer_saved = None
+        else:
+            saved_slots = []
+            for i, state in enumerate(slots):
+                slot = {}
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor):
+                        slot[key] = _FileSlot(len(tensors))
+                        self._optimizer_tensor_keys.append((i, key))
+                        tensors.append(value.detach())
+                    else:
+                        slot[key] = value
+                saved_slots.append(slot)
+            self._optimizer_saved = saved_slots
+        self._file.write(tensors)
+
+    def _wait(self) -> None:
+        if self._pending is not None:
+            self._pending.synchronize()
+            self._pending = None
+
+    # ----------------------------------------------------------------------- restore ----
     @torch.no_grad()
     def restore(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Copy the snapshot back into the same storages (bit-exact, no reallocation)."""
-        if self._saved is None:
+        if not self._is_set:
             raise RuntimeError("WeightAnchor.restore() called before save()")
+        if self.storage == "file":
+            self._restore_from_file(optimizer)
+            return
+        self._wait()
         torch._foreach_copy_([p.detach() for p in self.params], self._saved)
         for (module, name), saved in zip(self.buffer_slots, self._buffers_saved):
-            buffer = module._buffers[name]
-            if buffer.shape == saved.shape and buffer.dtype == saved.dtype:
-                buffer.copy_(saved)
-            else:  # reassigned with another shape since the snapshot: put the saved one back
-                module._buffers[name] = saved.clone().to(buffer.device)
+            _restore_buffer(module, name, saved)
         if optimizer is not None and self._optimizer_saved is not None:
-            for p in self.params:
-                slot = self._optimizer_saved.get(id(p))
+            for p, slot in zip(self.params, self._optimizer_saved):
                 if not slot:
                     optimizer.state.pop(p, None)
                     continue
                 state = optimizer.state.setdefault(p, {})
                 for key, value in slot.items():
-                    if isinstance(value, torch.Tensor) and isinstance(state.get(key), torch.Tensor) \
-                            and state[key].shape == value.shape:
-                        state[key].copy_(value)
+                    current = state.get(key)
+                    if isinstance(value, torch.Tensor) and isinstance(current, torch.Tensor) \
+                            and current.shape == value.shape and current.dtype == value.dtype:
+                        current.copy_(value)
+                    elif isinstance(value, torch.Tensor):
+                        state[key] = value.to(p.device, copy=True)
                     else:
-                        state[key] = value.clone() if isinstance(value, torch.Tensor) else value
+                        state[key] = value
+
+    def _restore_from_file(self, optimizer: torch.optim.Optimizer | None) -> None:
+        targets = [p.detach() for p in self.params]
+        # Buffers: in place where the model's has the saved shape and dtype, else a new tensor.
+        buffer_targets = []
+        for (module, name), (shape, dtype) in zip(self.buffer_slots, self._buffer_layout):
+            buffer = module._buffers[name]
+            buffer_targets.append(buffer if buffer.shape == shape and buffer.dtype == dtype
+                                  else torch.empty(shape, dtype=dtype, device=buffer.device))
+        targets += buffer_targets
+        with_optimizer = optimizer is not None and self._optimizer_saved is not None
+        restored: dict[tuple[int, str], torch.Tensor] = {}
+        for index, key in self._optimizer_tensor_keys:
+            shape, dtype, device = self._file.layout[len(targets)]
+            current = optimizer.state.get(self.params[index], {}).get(key) if with_optimizer else None
+            if not (isinstance(current, torch.Tensor) and current.shape == shape and current.dtype == dtype):
+                current = torch.empty(shape, dtype=dtype, device=self.params[index].device)
+            restored[(index, key)] = current
+            targets.append(current)
+        self._file.read_into(targets)  # params, buffers and optimizer tensors: one read
+        for (module, name), target in zip(self.buffer_slots, buffer_targets):
+            if module._buffers[name] is not target:  # reassigned with another shape since the snapshot
+                module._buffers[name] = target
+        if not with_optimizer:
+            return
+        for index, (p, slot) in enumerate(zip(self.params, self._optimizer_saved)):
+            if not slot:
+                optimizer.state.pop(p, None)
+                continue
+            state = optimizer.state.setdefault(p, {})
+            for key, value in slot.items():
+                state[key] = restored[(index, key)] if isinstance(value, _FileSlot) else value
+
+    def release(self) -> None:
+        """Free the snapshot's memory (or file); :attr:`is_set` is False until the next save."""
+        self._wait()
+        self._saved, self._buffers_saved, self._optimizer_saved = None, [], None
+        self._optimizer_tensor_keys, self._buffer_layout = [], []
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        self._is_set = False
+
+    # -------------------------------------------------------------------- checkpoint ----
+    def _saved_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[dict] | None]:
+        """(params, buffers, optimizer slots) of the snapshot as CPU copies (never copies on the
+        device: a checkpoint written under memory pressure must not need more of it)."""
+        if self.storage == "file":
+            tensors = self._file.read()
+            n, m = len(self.params), len(self._buffer_layout)
+            slots = None if self._optimizer_saved is None else [
+                {k: (tensors[v] if isinstance(v, _FileSlot) else v) for k, v in slot.items()}
+                for slot in self._optimizer_saved]
+            return tensors[:n], tensors[n:n + m], slots
+        self._wait()
+        to_cpu = lambda t: t.to("cpu", copy=True)  # noqa: E731
+        slots = None if self._optimizer_saved is None else [
+            {k: (to_cpu(v) if isinstance(v, torch.Tensor) else v) for k, v in slot.items()}
+            for slot in self._optimizer_saved]
+        return [to_cpu(t) for t in self._saved], [to_cpu(t) for t in self._buffers_saved], slots
 
     def state_dict(self) -> dict:
-        if self._saved is None:
+        """The snapshot as CPU tensors (loadable onto any device)."""
+        if not self._is_set:
             return {"step": None}
-        state = {"step": self.step, "params": [t.clone() for t in self._saved],
-                 "buffers": [t.clone() for t in self._buffers_saved]}
-        if self._optimizer_saved is not None:
-            state["optimizer"] = [
-                {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in self._optimizer_saved.get(id(p), {}).items()}
-                for p in self.params
-            ]
+        params, buffers, slots = self._saved_tensors()
+        state = {"step": self.step, "params": params, "buffers": buffers}
+        if slots is not None:
+            state["optimizer"] = slots
         return state
 
+    @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
-        self.step = state.get("step")
+        step = state.get("step")
         if "params" not in state:
-            self._saved, self._optimizer_saved = None, None
+            self.release()
+            self.step = step
             return
-        self._saved = [saved.to(self._device or p.device).clone() for saved, p in zip(state["params"], self.params)]
         # A checkpoint from before buffers were snapshotted: start from the model's current ones.
         saved_buffers = state.get("buffers") or [b.detach() for b in self.buffers]
         if len(saved_buffers) != len(self.buffers):
             raise ValueError(f"anchor state holds {len(saved_buffers)} module buffers, the model has {len(self.buffers)}")
-        self._buffers_saved = [saved.to(self._device or b.device).clone() for saved, b in zip(saved_buffers, self.buffers)]
+        params = [saved.to(p.device) for saved, p in zip(state["params"], self.params)]
+        buffers = [saved.to(b.device) for saved, b in zip(saved_buffers, self.buffers)]
+        slots = None
         if "optimizer" in state:
-            self._optimizer_saved = {
-                id(p): {k: (v.to(self._device or p.device) if isinstance(v, torch.Tensor) else v) for k, v in slot.items()}
-                for p, slot in zip(self.params, state["optimizer"])
-            }
+            slots = [{k: (v.to(p.device) if isinstance(v, torch.Tensor) else v) for k, v in slot.items()}
+                     for p, slot in zip(self.params, state["optimizer"])]
+        self.release()
+        if self.storage == "file":
+            self._save_to_file(params, buffers, slots)
         else:
-            self._optimizer_saved = None
+            self._save_to_memory(params, buffers, slots)
+        self._is_set = True
+        self.step = step
+
+
+def _restore_buffer(module: torch.nn.Module, name: str, saved: torch.Tensor) -> None:
+    buffer = module._buffers[name]
+    if buffer.shape == saved.shape and buffer.dtype == saved.dtype:
+        buffer.copy_(saved)
+    else:  # reassigned with another shape since the snapshot: put the saved one back
+        module._buffers[name] = saved.to(buffer.device, copy=True)
 
 
 def buffer_slots(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:

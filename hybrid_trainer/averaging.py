@@ -109,7 +109,10 @@ class WeightAverage:
         return average
 
     def state_dict(self) -> dict:
-        return {"fast": [t.clone() for t in self._fast], "slow": [t.clone() for t in self._slow],
+        """The averages as CPU copies: a checkpoint (the emergency one under memory pressure
+        included) must not need more device memory than the run holds."""
+        cpu = lambda t: t.to("cpu", copy=True)  # noqa: E731
+        return {"fast": [cpu(t) for t in self._fast], "slow": [cpu(t) for t in self._slow],
                 "updates": self.updates}
 
     @torch.no_grad()

@@ -9,6 +9,7 @@ from typing import Any
 
 DIRECTIONS = ("ema", "linear")
 AUTOCAST_DTYPES = (None, "bfloat16", "float16")
+GOOD_STATE_STORAGES = ("auto", "host", "file", "device")
 
 
 @dataclass
@@ -69,6 +70,12 @@ class HybridConfig:
         autocast_dtype: None, "bfloat16" or "float16" (float16 uses a GradScaler).
         good_state_every: real steps between snapshots of the last good state (divergence
             rollback); 0 disables divergence rollback snapshots.
+        good_state_storage: where that snapshot (weights, module buffers, optimizer state) lives:
+            ``"auto"`` (page-locked host memory on a GPU, an unlinked temporary file on a CPU,
+            where host memory is the training memory), ``"host"``, ``"file"`` or ``"device"``
+            (beside the weights: the fastest, and three copies of them with AdamW). A rollback
+            restores the same bits from any of them (:class:`~hybrid_trainer.anchor.WeightAnchor`).
+        snapshot_dir: folder of the ``"file"`` snapshot (None: the system's temporary folder).
         divergence: keyword arguments for :class:`~hybrid_trainer.divergence.DivergenceMonitor`.
         memory_profile: record a memory snapshot (NVML/torch.cuda on GPU, RSS on CPU) every
             ``memory_every`` steps (``trainer.profiler``: per-phase stats, peaks, spikes, CSV/JSON).
@@ -85,6 +92,9 @@ class HybridConfig:
             submodule whose class name is ``checkpoint_module_type`` (e.g. ``"GPTBlock"``).
         metrics_path: JSONL file receiving one record per step (None: no per-step records;
             ``trainer.plot`` needs it).
+        tensorboard_dir: folder receiving a TensorBoard event file with every step's scalars
+            (loss, lr per group, grad norm, phase, predicted and verified counts:
+            :mod:`hybrid_trainer.tensorboard_writer`); needs the ``tensorboard`` extra. None: off.
         weight_average: keep a lag-corrected average of the weights
             (:class:`~hybrid_trainer.averaging.WeightAverage`: two more copies of the parameters,
             a third once it is first swapped in, two passes over them per real step) for evaluation and export through
@@ -127,6 +137,8 @@ class HybridConfig:
     grad_accumulation: int = 1
     autocast_dtype: str | None = None
     good_state_every: int = 50
+    good_state_storage: str = "auto"
+    snapshot_dir: str | None = None
     divergence: dict[str, Any] = field(default_factory=dict)
     memory_profile: bool = False
     memory_every: int = 1
@@ -139,6 +151,7 @@ class HybridConfig:
     checkpoint_module_type: str | None = None
     checkpoint_every_nth: int = 1
     metrics_path: str | None = None
+    tensorboard_dir: str | None = None
     weight_average: bool = False
     seed: int = 0
 
@@ -202,6 +215,9 @@ class HybridConfig:
         need("grad_accumulation", is_int(self.grad_accumulation) and self.grad_accumulation >= 1, "an int >= 1")
         need("autocast_dtype", self.autocast_dtype in AUTOCAST_DTYPES, f"one of {AUTOCAST_DTYPES}")
         need("good_state_every", is_int(self.good_state_every) and self.good_state_every >= 0, "an int >= 0")
+        need("good_state_storage", self.good_state_storage in GOOD_STATE_STORAGES, f"one of {GOOD_STATE_STORAGES}")
+        need("snapshot_dir", self.snapshot_dir is None or (isinstance(self.snapshot_dir, str) and self.snapshot_dir),
+             "None or a folder path (str)")
         need("divergence", isinstance(self.divergence, dict), "a dict of DivergenceMonitor keyword arguments")
         need("memory_profile", isinstance(self.memory_profile, bool), "a bool")
         need("memory_every", is_int(self.memory_every) and self.memory_every >= 1, "an int >= 1")
@@ -229,6 +245,8 @@ class HybridConfig:
              "None when checkpoint_modules is set (choose modules by name or by type, not both)")
         need("checkpoint_every_nth", is_int(self.checkpoint_every_nth) and self.checkpoint_every_nth >= 1, "an int >= 1")
         need("metrics_path", self.metrics_path is None or isinstance(self.metrics_path, str), "None or a str path")
+        need("tensorboard_dir", self.tensorboard_dir is None or (isinstance(self.tensorboard_dir, str)
+                                                                 and self.tensorboard_dir), "None or a folder path (str)")
         need("weight_average", isinstance(self.weight_average, bool), "a bool")
         need("seed", is_int(self.seed) and self.seed >= 0, "an int >= 0")
 

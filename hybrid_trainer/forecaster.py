@@ -37,11 +37,31 @@ class StateForecaster:
             config, controller, loss_trend, worth, agree
         self.history = hk.StateHistory(device=device)
         self.normalizer = RunningNormalizer(NUM_FEATURES)
-        self.dynamics = DynamicsModel(n_features=NUM_FEATURES, hidden=config.dynamics_hidden,
-                                      ensemble=config.dynamics_ensemble, horizon=config.horizon,
-                                      window=config.dynamics_window, lr=config.dynamics_lr,
-                                      batch=config.dynamics_batch, seed=config.seed, device=device)
+        # Only prediction reads the forecast: a run that never predicts builds no model (an
+        # ensemble of GRUs and its Adam state, ~9 MB at the default width).
+        self.dynamics = (DynamicsModel(n_features=NUM_FEATURES, hidden=config.dynamics_hidden,
+                                       ensemble=config.dynamics_ensemble, horizon=config.horizon,
+                                       window=config.dynamics_window, lr=config.dynamics_lr,
+                                       batch=config.dynamics_batch, seed=config.seed, device=device)
+                         if config.predict else None)
         self.forecast: dict[str, torch.Tensor] | None = None
+        self._released_report: tuple[dict[int, float], int] = ({}, 0)  # the model's last figures, once freed
+
+    def error_report(self) -> dict[int, float]:
+        """The dynamics model's realised error by horizon (its last one once released)."""
+        return self._released_report[0] if self.dynamics is None else self.dynamics.error_report()
+
+    @property
+    def train_steps(self) -> int:
+        return self._released_report[1] if self.dynamics is None else self.dynamics.train_steps
+
+    def release(self) -> None:
+        """Prediction is off for the rest of the run: free the dynamics model (its networks,
+        their Adam state, the replay), keeping the figures the run's statistics report."""
+        if self.dynamics is not None:
+            self._released_report = (self.dynamics.error_report(), self.dynamics.train_steps)
+            self.dynamics = None
+        self.forecast = None
 
     def observe(self, phase: Phase, step: int, real_steps: int, loss: float, grad_norm: float | None,
                 update_norm: float | None, lr: float, optimizer: torch.optim.Optimizer) -> None:
@@ -79,7 +99,7 @@ class StateForecaster:
 
     def expected_loss(self, base_loss: float | None, horizon: int) -> float | None:
         """Loss the forecast expects ``horizon`` predicted steps after ``base_loss``; None without one."""
-        if self.forecast is None or base_loss is None:
+        if self.forecast is None or base_loss is None or self.dynamics is None:
             return None
         return base_loss + float(self.forecast["mean"][min(horizon, self.dynamics.horizon) - 1])
 

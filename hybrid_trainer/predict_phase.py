@@ -2,7 +2,9 @@
 
 It owns the prediction buffers (the :class:`~hybrid_trainer.predictor.DeltaPredictor`'s update
 history and the :class:`~hybrid_trainer.anchor.WeightAnchor` at the last verified point, both
-made in :meth:`PredictPhase.retarget` only), the state of the PREDICT phase in progress (its
+made in :meth:`PredictPhase.retarget` only, holding memory only while they can serve: the
+predictor's buffers from its first recorded step, the anchor during a phase, both freed by
+:meth:`PredictPhase.release` once prediction is off for good), the state of the PREDICT phase in progress (its
 base loss, last verified loss, unverified steps), each predicted step with its verification
 (:func:`~hybrid_trainer.verifier.verify`), the rollback when one fails or an error interrupts
 the phase, and the bandit's reward at the end of a phase.
@@ -46,6 +48,7 @@ class PredictPhase:
         self.last_verified_loss: float | None = None
         self.last_verified_single_batch = False
         self.unverified_steps = 0
+        self.last_rollback_steps = 0  # predicted steps the last rejected verification undid
 
     def retarget(self, params: list[torch.Tensor], buffers: list[torch.Tensor]) -> None:
         """(Re)make the prediction buffers for ``params``: the update history restarts."""
@@ -54,6 +57,17 @@ class PredictPhase:
                                         cfg.scale_beta, cfg.scale_max)
         # Buffers (e.g. batch-norm statistics): the verification forwards change them too.
         self.anchor = WeightAnchor(params, buffers=buffers)
+
+    def end_phase(self) -> None:
+        """The PREDICT phase is over: its anchor's copy of the weights goes (taken again at the
+        next phase's first step). During a phase no gradients exist, so the anchor stays under a
+        real step's peak; between phases it would only add to it."""
+        self.anchor.release()
+
+    def release(self) -> None:
+        """Prediction is off for the rest of the run: free the update direction and the anchor."""
+        self.predictor.release()
+        self.anchor.release()
 
     def abort(self) -> int:
         """Undo the predicted steps not verified yet (the weights go back to the last verified
@@ -105,6 +119,7 @@ class PredictPhase:
         else:
             self.anchor.restore()
             self.stats.predicted_steps_rolled_back += self.unverified_steps
+            self.last_rollback_steps = self.unverified_steps  # for the rollback event
             self.stats.predict_phases_rejected += 1
             self.unverified_steps = 0
             result.rolled_back = True

@@ -196,20 +196,25 @@ def check_snapshot(saved: dict[str, Any], what: str, params: list[torch.Tensor],
         _require_finite(named, f"the {what}")
 
 
-def check_predictor(saved: dict[str, Any], live: dict[str, Any]) -> None:
-    """The predictor's flat buffers and update history fit this trainer's trained tensors."""
+def check_predictor(saved: dict[str, Any], numel: int, scales_shape: torch.Size) -> None:
+    """The predictor's flat buffers (``numel`` values; absent while nothing was recorded), per-tensor
+    scales and update history fit this trainer's trained tensors."""
     if not isinstance(saved, dict) or not {"ema", "scales", "history"} <= set(saved):
         _fail("'predictor' is not a DeltaPredictor state")
-    for key in ("ema", "scales"):
-        if not isinstance(saved[key], torch.Tensor) or saved[key].shape != live[key].shape:
-            _fail(f"predictor {key!r} does not fit the trained tensors (saved by a trainer training other "
-                  f"tensors: freeze and unfreeze as the saved run had before constructing the trainer)")
-    if saved.get("linear") is not None and saved["linear"].shape != live["ema"].shape:
-        _fail("predictor 'linear' does not fit the trained tensors")
-    if live["history"]:
-        shapes = [tuple(t.shape for t in pair) for pair in live["history"]]
-        if any(tuple(t.shape for t in pair) != shapes[0] for pair in saved["history"]):
-            _fail("predictor update history does not fit the trained tensors")
+    if not isinstance(saved["scales"], torch.Tensor) or saved["scales"].shape != scales_shape:
+        _fail("predictor 'scales' do not fit the trained tensors (saved by a trainer training other tensors: "
+              "freeze and unfreeze as the saved run had before constructing the trainer)")
+    for key in ("ema", "linear"):
+        value = saved.get(key)
+        if value is not None and (not isinstance(value, torch.Tensor) or value.numel() != numel):
+            _fail(f"predictor {key!r} does not fit the {numel} trained values")
+    history = saved["history"]
+    if not isinstance(history, list) or not all(
+            isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(t, torch.Tensor) for t in pair)
+            for pair in history):
+        _fail("predictor update history is not a list of (codes, scales) tensor pairs")
+    if len({tuple(t.shape for t in pair) for pair in history}) > 1:
+        _fail("predictor update history holds entries of different shapes")
 
 
 def check_like(saved: Any, live: Any, what: str, path: str = "") -> None:

@@ -1,8 +1,9 @@
 """What a run reports: one step's :class:`StepResult`, the run's counters
-(:class:`RunStatistics`) and their human-readable summary."""
+(:class:`RunStatistics`), the statistics a trainer gives (:func:`run_statistics`) and their
+human-readable summary (:func:`format_summary`)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .phases import Phase
@@ -23,7 +24,11 @@ class StepResult:
     skipped: bool = False  # a real step whose update was refused (non-finite or divergent)
     divergence: str = "OK"
     grad_norm: float | None = None
+    # Learning rate of the optimizer's first param group (under a CombinedOptimizer: its first
+    # part's first group), as before ``lrs`` existed; ``lrs``: every group's, in
+    # ``optimizer.param_groups`` order. Both None on predicted steps (no optimizer step).
     lr: float | None = None
+    lrs: tuple[float, ...] | None = None
     confidence: float | None = None
     wall_time_s: float = 0.0
     emergency_checkpoint_error: str | None = None  # why this step's emergency checkpoint was not written
@@ -52,6 +57,33 @@ class RunStatistics:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """In place: the collaborators hold this object."""
         vars(self).update(vars(RunStatistics(**state)))
+
+
+def run_statistics(trainer: Any) -> dict[str, Any]:
+    """``trainer.statistics()``: the counters of ``trainer`` (a :class:`HybridTrainer`) and what
+    its collaborators measured so far, as plain Python types."""
+    stats, steps = trainer.stats, trainer.step_count
+    s = asdict(stats)
+    by_phase = s["steps_by_phase"]
+    s.update(
+        steps=steps,
+        real_steps=by_phase["WARMUP"] + by_phase["FULL"] + by_phase["CORRECT"],
+        backward_passes_saved=stats.predicted_steps * trainer.config.grad_accumulation,
+        backward_saved_fraction=(stats.predicted_steps / steps) if steps else 0.0,
+        acceptance_rate=(stats.verifications_accepted / stats.verifications) if stats.verifications else None,
+        prediction_enabled=trainer.controller.prediction_enabled,
+        prediction_disabled_reason=trainer.controller.disabled_reason,
+        dynamics_error_by_horizon=trainer.forecaster.error_report(),
+        dynamics_train_steps=trainer.forecaster.train_steps,
+        loss_noise_std=trainer.loss_trend.noise_std,
+        divergence_events=dict(trainer.monitor.counts),
+        predicted_scale_mean=float(trainer.predictor.scales.mean()),
+        last_update_cosine=trainer._last_update_cosine,
+        predicted_step_worth=trainer.worth.predicted_worth,
+        required_worth=trainer.required_worth(),
+        prediction_overhead=None if trainer.cost is None else trainer.cost.overhead,
+    )
+    return s
 
 
 def format_summary(s: dict[str, Any]) -> str:

@@ -8,16 +8,22 @@ when either side has none (or calls ``on_missing`` when the run has one and the 
 Getters, not objects: components rebuilt when the trained set changes (predictor, snapshots)
 are looked up at save and load time.
 
-Also here: the layout upgrade of older checkpoints (:func:`upgrade_v1`), the key fix of a
-DDP-wrapped model's weights and which random streams a rank resumes with.
+:func:`trainer_registry` lists the trainer's components. Also here: the layout upgrade of older
+checkpoints (:func:`upgrade_v1`), the key fix of a DDP-wrapped model's weights and which random
+streams a rank resumes with.
 """
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 import torch
+
+from . import checkpoint
+from .averaging import WeightAverage
+from .distributed import unwrap
+from .predictor import DeltaPredictor
 
 CHECKPOINT_VERSION = 2  # 2: the worth gate, forecast and predict phase under keys of their own
 
@@ -105,6 +111,17 @@ def upgrade_v1(state: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
+def check_trains_what_was_saved(state: dict[str, Any], params: list[torch.Tensor]) -> None:
+    """ValueError unless checkpoint ``state`` was saved by a trainer training as many tensors
+    and values as ``params``: the predictor and snapshots hold one slot per trained tensor."""
+    saved = (len(state["predictor"]["scales"]), DeltaPredictor.saved_numel(state["predictor"]))
+    here = (len(params), sum(p.numel() for p in params))
+    if saved != here:
+        raise ValueError(f"checkpoint: saved by a trainer training {saved[0]} parameter tensors ({saved[1]} "
+                         f"values), this one trains {here[0]} ({here[1]}): freeze and unfreeze as the saved "
+                         f"run had before constructing the trainer that loads it")
+
+
 def rng_of_rank(state: dict[str, Any], ranks) -> dict:
     """This rank's random streams from a checkpoint (``ranks``: the trainer's
     :class:`~hybrid_trainer.distributed.RankSync`): written under DDP it holds every rank's
@@ -122,3 +139,54 @@ def rng_of_rank(state: dict[str, Any], ranks) -> dict:
                       "repeat the saved run's", stacklevel=3)
         return by_rank[0]
     return by_rank[ranks.rank]
+
+
+def trainer_registry(trainer: Any) -> StateRegistry:
+    """Every stateful part of ``trainer`` (a :class:`~hybrid_trainer.HybridTrainer`), in the
+    order it is restored: weights before the optimizer, snapshots after the weights, random
+    streams last. Getters read the trainer's attributes at save and load time."""
+    t = trainer
+    reg = StateRegistry()
+    reg.register("version", lambda: CHECKPOINT_VERSION, lambda v: None)  # checked in load_state_dict
+    reg.register("config", t.config.to_dict, lambda v: None)  # for the reader: this run's config decides
+    # The wrapped module's own keys: a DDP run resumes in a single process and back.
+    reg.register("model", lambda: unwrap(t.model).state_dict(),
+                 lambda weights: unwrap(t.model).load_state_dict(without_ddp_prefix(weights, unwrap(t.model))))
+    reg.register("outside_model", lambda: [p.detach().clone() for p in t.trained.outside_model],
+                 lambda values: _copy_into(t.trained.outside_model, values))
+    reg.register_component("optimizer", lambda: t.optimizer)
+    # Compared on load (resume_check): another class's state would load and fail steps later.
+    reg.register("optimizer_class", lambda: type(t.optimizer).__name__, lambda v: None)
+    reg.register_component("scheduler", lambda: t.scheduler)
+    reg.register_component("scaler", lambda: t.scaler)
+    reg.register_component("predictor", lambda: t.predictor)
+    reg.register_component("anchor", lambda: t.anchor)
+    reg.register_component("good_state", lambda: t.guard.good_state)
+    # Saved without one: the average starts at the loaded weights.
+    reg.register_component("weight_average", lambda: t.weight_average,
+                           on_missing=lambda: setattr(t, "weight_average", WeightAverage(t.params)))
+    reg.register_component("history", lambda: t.forecaster.history)
+    reg.register_component("normalizer", lambda: t.forecaster.normalizer)
+    reg.register_component("dynamics", lambda: t.forecaster.dynamics, full=True)
+    reg.register_component("monitor", lambda: t.guard.monitor)
+    reg.register_component("controller", lambda: t.controller)
+    reg.register_component("loss_trend", lambda: t.loss_trend)
+    reg.register_component("cost", lambda: t.worth.cost)
+    reg.register("stats", lambda: asdict(t.stats), t.stats.load_state_dict)
+    reg.register_component("worth", lambda: t.worth)
+    reg.register("forecast", lambda: t.forecaster.forecast, lambda v: setattr(t.forecaster, "forecast", v))
+    reg.register_component("predict_phase", lambda: t.predict_phase)
+    reg.register("trainer", lambda: {"step_count": t.step_count, "last_update_cosine": t._last_update_cosine},
+                 lambda v: _load_loop_state(t, v))
+    reg.register("rng", checkpoint.capture_rng, lambda v: None)  # restored by load_state_dict, per rank
+    return reg
+
+
+def _load_loop_state(trainer: Any, state: dict[str, Any]) -> None:
+    trainer.step_count, trainer._last_update_cosine = state["step_count"], state["last_update_cosine"]
+
+
+def _copy_into(tensors: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for p, saved in zip(tensors, values):
+            p.copy_(saved)

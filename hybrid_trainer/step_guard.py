@@ -9,7 +9,10 @@ itself, see :meth:`StepGuard.steps_on_device`), :meth:`StepGuard.check`, then ei
 :meth:`StepGuard.refuse_update` or, after the update, :meth:`StepGuard.accept`.
 
 The good state is kept behind :class:`GoodStateStore`, made by :func:`make_good_state_store`
-only: where the snapshot lives can change there without the guard's decisions changing.
+only: where the snapshot lives can change there without the guard's decisions changing. It
+lives off the device by default (``HybridConfig.good_state_storage``): taken every
+``good_state_every`` real steps and read back only after a spike, it need not cost the device
+three copies of the weights (weights and AdamW's two moments).
 
 What a refused step leaves: the weights and optimizer state as before the step (a non-finite
 loss or gradient) or as in the last good state (a spike); the module buffers as before the
@@ -75,9 +78,19 @@ class GoodStateStore(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-def make_good_state_store(params: list[torch.Tensor], buffers: list[torch.Tensor]) -> GoodStateStore:
-    """The store of the last good state of ``params`` and ``buffers`` (a device-side copy)."""
-    return WeightAnchor(params, buffers=buffers)
+def good_state_storage(config: HybridConfig, device: torch.device) -> str:
+    """``config.good_state_storage`` resolved: on ``"auto"``, page-locked host memory beside a
+    GPU, an unlinked temporary file on a CPU (whose host memory is the training memory)."""
+    if config.good_state_storage != "auto":
+        return config.good_state_storage
+    return "host" if device.type == "cuda" else "file"
+
+
+def make_good_state_store(params: list[torch.Tensor], buffers: list[torch.Tensor], storage: str = "device",
+                          directory: str | None = None) -> GoodStateStore:
+    """The store of the last good state of ``params`` and ``buffers`` (``storage``: see
+    :class:`~hybrid_trainer.anchor.WeightAnchor`; every storage restores the same bits)."""
+    return WeightAnchor(params, buffers=buffers, storage=storage, directory=directory)
 
 
 class StepGuard:
@@ -94,6 +107,7 @@ class StepGuard:
     def __init__(self, config: HybridConfig, optimizer: torch.optim.Optimizer, scaler: Any, stats: Any,
                  device: torch.device):
         self.config, self.optimizer, self.scaler, self.stats = config, optimizer, scaler, stats
+        self.storage = good_state_storage(config, device)
         self.monitor = DivergenceMonitor(**config.divergence)
         self.params: list[torch.Tensor] = []
         self.good_state: GoodStateStore | None = None
@@ -114,7 +128,7 @@ class StepGuard:
         """Guard ``params`` and the buffers at ``buffers`` (``(owner, name)`` slots) from now on;
         the good state restarts empty. ``module`` (the unwrapped model) names them in messages."""
         self.params = params
-        self.good_state = make_good_state_store(params, buffers)
+        self.good_state = make_good_state_store(params, buffers, self.storage, self.config.snapshot_dir)
         self.buffers_before = BufferGuard(buffers)
         self._buffer_slots = list(buffers)
         self.stall_restored = False

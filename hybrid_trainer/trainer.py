@@ -29,7 +29,6 @@ import math
 import time
 import warnings
 from collections.abc import Sequence
-from contextlib import nullcontext
 from dataclasses import asdict
 from typing import Any, Callable
 
@@ -40,16 +39,19 @@ from .anchor import buffer_slots
 from .averaging import WeightAverage
 from .config import HybridConfig
 from .distributed import RankSync, unwrap
+from .events import Events
 from .forecaster import StateForecaster
+from .loss_call import checked_loss, micro_batches
 from .memory import MemoryProfiler, VRAMGuard, default_reader
 from .metrics import MetricsLogger, plot_run
 from .offload import StateOffloader
 from .phases import Phase, PhaseController
 from .predict_phase import PredictPhase
-from .run_report import RunStatistics, StepResult, format_summary
+from .run_report import RunStatistics, StepResult, format_summary, run_statistics
 from .setup_checks import (check_arguments, check_ddp_trains_only_its_module, check_dense, check_predictable,
                            check_scheduler, check_train_mode)
-from .state_registry import CHECKPOINT_VERSION, StateRegistry, rng_of_rank, upgrade_v1, without_ddp_prefix
+from .state_registry import (CHECKPOINT_VERSION, check_trains_what_was_saved, rng_of_rank, trainer_registry, upgrade_v1,
+                             without_ddp_prefix)
 from .step_guard import StepGuard
 from .trained_set import TrainedSet
 from .verifier import LossTrend
@@ -70,11 +72,17 @@ class HybridTrainer:
         loss_fn: ``loss_fn(model, batch) -> 0-d tensor`` (see module docstring).
         config: :class:`HybridConfig` (defaults if None).
         scheduler: optional LR scheduler, stepped after each real optimizer step.
+        callbacks: objects whose hooks (``on_step_end``, ``on_phase_change``, ``on_rollback``, ...:
+            :mod:`hybrid_trainer.events`) run at the end of each step that has their event.
+
+    The trainer logs its events (phase changes, rollbacks, refused updates, checkpoints)
+    through the ``hybrid_trainer`` logger. It holds open files when ``metrics_path`` or
+    ``tensorboard_dir`` is set: :meth:`close` them, or use it as a context manager.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], config: HybridConfig | None = None,
-                 scheduler: Any | None = None):
+                 scheduler: Any | None = None, callbacks: Sequence[Any] | None = None):
         config = check_arguments(model, optimizer, loss_fn, config)
         check_scheduler(scheduler, optimizer)
         self.model, self.optimizer, self.loss_fn, self.config, self.scheduler = model, optimizer, loss_fn, config, scheduler
@@ -89,7 +97,9 @@ class HybridTrainer:
         check_ddp_trains_only_its_module(self.ranks, self.trained.outside_model)
         # Output paths decide nothing (and rank 0 alone writes the metrics): they may differ.
         self.ranks.check_same("config", {k: v for k, v in config.to_dict().items()
-                                         if k not in ("metrics_path", "emergency_checkpoint_path")})
+                                         if k not in ("metrics_path", "emergency_checkpoint_path", "tensorboard_dir",
+                                                      "snapshot_dir")})
+        self.events = Events(callbacks)  # callbacks checked before any file is opened
 
         self.controller = PhaseController(config)
         self.loss_trend = LossTrend()
@@ -108,6 +118,12 @@ class HybridTrainer:
         # Under DDP the records agree on every rank (losses are averaged), so rank 0 writes them.
         self.metrics = (MetricsLogger(config.metrics_path, keep_records=False)
                         if config.metrics_path is not None and self.ranks.is_writer else None)
+        self.tensorboard = None
+        if config.tensorboard_dir is not None and self.ranks.is_writer:
+            from .tensorboard_writer import TensorBoardWriter  # the tensorboard package is an optional extra
+            self.tensorboard = TensorBoardWriter(config.tensorboard_dir)
+            # Ahead of the user's hooks: a step one of them raises after is in the event file too.
+            self.events = Events([self.tensorboard, *(callbacks or ())])
 
         reader = default_reader(self.device) if (config.memory_profile or config.vram_critical is not None) else None
         self.profiler = (MemoryProfiler(reader, self.device, spike_threshold=config.memory_spike_threshold,
@@ -120,7 +136,7 @@ class HybridTrainer:
         self.step_count = 0
         self._last_update_cosine = float("nan")
         self._emergency_error: str | None = None  # the write error of this step's emergency checkpoint
-        self.registry = self._registry()
+        self.registry = trainer_registry(self)
 
     # Collaborators' parts that users, benchmarks and tests read from the trainer.
     params = property(lambda self: self.trained.params, doc="Every tensor trained now (model's first).")
@@ -144,6 +160,7 @@ class HybridTrainer:
         accumulation is configured). Returns a :class:`StepResult`."""
         started = time.perf_counter()
         check_train_mode(self.optimizer)
+        disabled_before = self.controller.disabled_reason
         if self.trained.changed():
             self._follow_trainable_change()
         phase = self.controller.phase
@@ -155,11 +172,11 @@ class HybridTrainer:
             else:
                 self._state_home()
                 result = self._real_step(batch, phase)
-        except BaseException:
+        except BaseException as error:
             # An error or interrupt mid-PREDICT must not leave unverified predicted deltas in the
             # weights the user goes on to save: go back to the last verified point first.
             if phase is Phase.PREDICT:
-                self.predict_phase.abort()
+                self.events.interrupted(self.step_count, self.predict_phase.abort(), error)
             raise
         result.wall_time_s = time.perf_counter() - started
         self.stats.steps_by_phase[phase.value] += 1
@@ -169,8 +186,13 @@ class HybridTrainer:
             # Once prediction is off for the run the controller never reads the margin again.
             margin = self.worth.margin() if self.controller.prediction_enabled else None
             self.controller.advance(self._confidence, worth_margin=margin)
-        if phase is Phase.PREDICT and self.controller.phase is not Phase.PREDICT and self.offloader is not None:
-            self.offloader.prefetch()  # overlaps the copy back with whatever the caller does next
+        if phase is Phase.PREDICT and self.controller.phase is not Phase.PREDICT:
+            self.predict_phase.end_phase()
+            if self.offloader is not None:
+                self.offloader.prefetch()  # overlaps the copy back with whatever the caller does next
+        if not self.controller.prediction_enabled and (self.predictor.allocated or self.forecaster.dynamics is not None):
+            self.predict_phase.release()  # off for good: what only prediction used goes
+            self.forecaster.release()
         if self.profiler is not None:
             self.profiler.snapshot(result.step, phase.value)
         if self.vram_guard is not None:
@@ -178,6 +200,13 @@ class HybridTrainer:
             self.vram_guard.check(result.step)
             result.emergency_checkpoint_error = self._emergency_error
         self._log(result)
+        # Events are rare: a few compares tell that none happened. Hooks run last, so one that
+        # raises finds the step done and counted.
+        ctl, events = self.controller, self.events
+        if result.skipped or result.rolled_back or ctl.phase is not phase or ctl.disabled_reason is not disabled_before:
+            events.after_step(self, result, phase, disabled_before)
+        if events.pending or events.step_end:
+            events.dispatch(self, result)
         return result
 
     def _confidence(self, horizon: int) -> float:
@@ -214,14 +243,16 @@ class HybridTrainer:
         if not params:
             raise ValueError("optimizer: no tensor trains any more (every parameter frozen)")
         check_predictable(self.config, self.model, params)
-        if self.controller.phase is Phase.PREDICT:
-            # Predicted for the old set: only verified steps stay.
-            self.stats.predicted_steps_rolled_back += self.predict_phase.abort()
+        before, old_phase, undone = self.params, self.controller.phase, 0
+        if old_phase is Phase.PREDICT:
+            undone = self.predict_phase.abort()  # predicted for the old set: only verified steps stay
+            self.stats.predicted_steps_rolled_back += undone
         self._state_home()
         self._track(params, outside)
         self.worth.forget()  # measured along the old direction
         self.controller.force_full()
         self.stats.trained_set_changes += 1
+        self.events.trained_set_changed(self.step_count, before, params, undone, old_phase, self.controller)
 
     # ------------------------------------------------------------------- memory helpers ----
     def _state_home(self) -> None:
@@ -246,45 +277,24 @@ class HybridTrainer:
             if self.ranks.active:
                 # Memory pressure is one rank's own: nothing collective may run here, so each rank
                 # that hits it writes its own file (the weights are the same on every rank).
+                path = f"{path}.rank{self.ranks.rank}"
                 self._state_home()
-                checkpoint.atomic_save(self.state_dict(), f"{path}.rank{self.ranks.rank}")
+                checkpoint.atomic_save(self.state_dict(), path)
             else:
-                self.save(path)
+                self._write_checkpoint(path)
         except Exception as error:  # the write's own failure; interrupts (KeyboardInterrupt) still propagate
             self.stats.emergency_checkpoint_failures += 1
             self._emergency_error = f"{type(error).__name__}: {error}"
             warnings.warn(f"emergency checkpoint to {path!r} failed ({self._emergency_error}); the step completed "
                           f"and training goes on without it", RuntimeWarning, stacklevel=4)
+            return
+        self.events.saved(path, self.step_count, wrote=True, emergency=True)  # its hooks run at the step's end
 
     def _micro_batches(self, batch: Any) -> Sequence[Any]:
-        k = self.config.grad_accumulation
-        if k == 1:
-            return [batch]
-        # A list, not any sequence: a (inputs, targets) tuple is one batch, never two micro-batches.
-        if not isinstance(batch, list) or len(batch) != k:
-            raise ValueError(f"batch: with grad_accumulation={k}, pass a list of {k} micro-batches, "
-                             f"got {type(batch).__name__}")
-        return batch
-
-    def _autocast(self):
-        dtype = self.config.autocast_dtype
-        if dtype is None:
-            return nullcontext()
-        return torch.autocast(self.device.type, dtype=getattr(torch, dtype))
+        return micro_batches(batch, self.config.grad_accumulation)
 
     def _loss(self, batch: Any) -> torch.Tensor:
-        with self._autocast():
-            loss = self.loss_fn(self.model, batch)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
-                            f"{'' if not isinstance(loss, torch.Tensor) else ' of shape ' + str(tuple(loss.shape))}")
-        if torch.is_grad_enabled() and not loss.requires_grad:  # torch's own error names no culprit
-            raise TypeError("loss_fn returned a loss detached from the model's parameters (no grad_fn): "
-                            "return the tensor itself, not loss.item(), loss.detach() or one computed "
-                            "under torch.no_grad()")
-        # A view of a 0-d loss would only add a node to the autograd graph (~15 µs forward and
-        # backward per step, a large share of a 1 ms step).
-        return loss if loss.dim() == 0 else loss.reshape(())
+        return checked_loss(self.loss_fn, self.model, batch, self.config.autocast_dtype, self.device)
 
     # ----------------------------------------------------------------------- real steps ----
     def _real_step(self, batch: Any, phase: Phase) -> StepResult:
@@ -316,7 +326,8 @@ class HybridTrainer:
             self.stats.backward_passes += 1
         self.stats.forward_passes += len(micro)
         loss_sum = mean_loss.wait()
-        lr = float(self.optimizer.param_groups[0]["lr"])
+        lrs = tuple([float(group["lr"]) for group in self.optimizer.param_groups])
+        lr = lrs[0]
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         norm = guard.grad_norm()
@@ -334,7 +345,7 @@ class HybridTrainer:
             return StepResult(step=self.step_count, phase=phase.value, loss=total if math.isfinite(total) else None,
                               backward_done=self.stats.backward_passes > 0 and math.isfinite(total), skipped=True,
                               rolled_back=rolled_back, divergence="; ".join(report.reasons) or report.severity.name,
-                              grad_norm=grad_norm, lr=lr)
+                              grad_norm=grad_norm, lr=lr, lrs=lrs)
 
         predictor = self.predict_phase.predictor  # not the property: one call less per step
         if record:
@@ -376,7 +387,8 @@ class HybridTrainer:
         if record:
             worth.time("core", worth.clock("core") - started - worth.machinery_s)
         return StepResult(step=self.step_count, phase=phase.value, loss=total, backward_done=True,
-                          divergence=report.severity.name, grad_norm=grad_norm, lr=lr, rolled_back=rolled_back)
+                          divergence=report.severity.name, grad_norm=grad_norm, lr=lr, lrs=lrs,
+                          rolled_back=rolled_back)
 
     def _verification_loss(self, batch: Any) -> tuple[float, int]:
         """Mean loss of ``batch`` without gradients, averaged over ranks (the verdict must be the
@@ -414,89 +426,17 @@ class HybridTrainer:
         plot_run(self.config.metrics_path, path, title=title)
 
     def statistics(self) -> dict[str, Any]:
-        """Counters of the run so far (plain Python types)."""
-        s = asdict(self.stats)
-        real_steps = s["steps_by_phase"]["WARMUP"] + s["steps_by_phase"]["FULL"] + s["steps_by_phase"]["CORRECT"]
-        s.update(
-            steps=self.step_count,
-            real_steps=real_steps,
-            backward_passes_saved=self.stats.predicted_steps * self.config.grad_accumulation,
-            backward_saved_fraction=(self.stats.predicted_steps / self.step_count) if self.step_count else 0.0,
-            acceptance_rate=(self.stats.verifications_accepted / self.stats.verifications)
-            if self.stats.verifications else None,
-            prediction_enabled=self.controller.prediction_enabled,
-            prediction_disabled_reason=self.controller.disabled_reason,
-            dynamics_error_by_horizon=self.dynamics.error_report(),
-            dynamics_train_steps=self.dynamics.train_steps,
-            loss_noise_std=self.loss_trend.noise_std,
-            divergence_events=dict(self.monitor.counts),
-            predicted_scale_mean=float(self.predictor.scales.mean()),
-            last_update_cosine=self._last_update_cosine,
-            predicted_step_worth=self.worth.predicted_worth,
-            required_worth=self.required_worth(),
-            prediction_overhead=None if self.cost is None else self.cost.overhead,
-        )
-        return s
+        """Counters of the run so far (plain Python types; :func:`~hybrid_trainer.run_report.run_statistics`)."""
+        return run_statistics(self)
 
     def summary(self) -> str:
         """A short human-readable report of the run."""
         return format_summary(self.statistics())
 
     # =========================================================================== checkpoint ====
-    def _registry(self) -> StateRegistry:
-        """Every stateful part of the run, in the order it is restored (weights before the
-        optimizer, snapshots after the weights, random streams last)."""
-        reg = StateRegistry()
-        reg.register("version", lambda: CHECKPOINT_VERSION, lambda v: None)  # checked in load_state_dict
-        reg.register("config", self.config.to_dict, lambda v: None)  # for the reader: this run's config decides
-        # The wrapped module's own keys: a DDP run resumes in a single process and back.
-        reg.register("model", lambda: unwrap(self.model).state_dict(), self._load_model)
-        reg.register("outside_model", lambda: [p.detach().clone() for p in self.trained.outside_model],
-                     self._load_outside_model)
-        reg.register_component("optimizer", lambda: self.optimizer)
-        # Compared on load (resume_check): another class's state would load and fail steps later.
-        reg.register("optimizer_class", lambda: type(self.optimizer).__name__, lambda v: None)
-        reg.register_component("scheduler", lambda: self.scheduler)
-        reg.register_component("scaler", lambda: self.scaler)
-        reg.register_component("predictor", lambda: self.predictor)
-        reg.register_component("anchor", lambda: self.anchor)
-        reg.register_component("good_state", lambda: self.guard.good_state)
-        # Saved without one: the average starts at the loaded weights.
-        reg.register_component("weight_average", lambda: self.weight_average,
-                               on_missing=lambda: setattr(self, "weight_average", WeightAverage(self.params)))
-        reg.register_component("history", lambda: self.forecaster.history)
-        reg.register_component("normalizer", lambda: self.forecaster.normalizer)
-        reg.register_component("dynamics", lambda: self.forecaster.dynamics, full=True)
-        reg.register_component("monitor", lambda: self.guard.monitor)
-        reg.register_component("controller", lambda: self.controller)
-        reg.register_component("loss_trend", lambda: self.loss_trend)
-        reg.register_component("cost", lambda: self.worth.cost)
-        reg.register("stats", lambda: asdict(self.stats), self.stats.load_state_dict)
-        reg.register_component("worth", lambda: self.worth)
-        reg.register("forecast", lambda: self.forecaster.forecast, lambda v: setattr(self.forecaster, "forecast", v))
-        reg.register_component("predict_phase", lambda: self.predict_phase)
-        reg.register("trainer", self._loop_state, self._load_loop_state)
-        reg.register("rng", checkpoint.capture_rng, lambda v: None)  # restored by load_state_dict, per rank
-        return reg
-
-    def _loop_state(self) -> dict[str, Any]:
-        return {"step_count": self.step_count, "last_update_cosine": self._last_update_cosine}
-
-    def _load_loop_state(self, state: dict[str, Any]) -> None:
-        self.step_count, self._last_update_cosine = state["step_count"], state["last_update_cosine"]
-
-    def _load_model(self, weights: dict[str, Any]) -> None:
-        module = unwrap(self.model)
-        module.load_state_dict(without_ddp_prefix(weights, module))
-
-    def _load_outside_model(self, values: list[torch.Tensor]) -> None:
-        with torch.no_grad():
-            for p, saved in zip(self.trained.outside_model, values):
-                p.copy_(saved)
-
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume exactly: the state of every part registered in
-        :meth:`_registry` (model, optimizer, scheduler, predictor, snapshots, dynamics model,
+        :func:`~hybrid_trainer.state_registry.trainer_registry` (model, optimizer, scheduler, predictor, snapshots, dynamics model,
         histories, controller, monitors, counters, RNG), one key each."""
         return self.registry.state_dict()
 
@@ -524,17 +464,11 @@ class HybridTrainer:
         check.check_config(state["config"], self.config)
         module = unwrap(self.model)
         check.check_model(without_ddp_prefix(state["model"], module), module)
-        # The predictor and snapshots hold one slot per trained tensor.
-        saved = (len(state["predictor"]["scales"]), state["predictor"]["ema"].numel())
-        here = (len(self.params), sum(p.numel() for p in self.params))
-        if saved != here:
-            raise ValueError(f"checkpoint: saved by a trainer training {saved[0]} parameter tensors ({saved[1]} "
-                             f"values), this one trains {here[0]} ({here[1]}): freeze and unfreeze as the saved "
-                             f"run had before constructing the trainer that loads it")
+        check_trains_what_was_saved(state, self.params)  # the predictor and snapshots: one slot per trained tensor
         check.check_outside_model(state["outside_model"], self.trained.outside_model)
         names = {id(p): repr(n) for n, p in module.named_parameters()}
         check.check_optimizer(state["optimizer"], self.optimizer, state["optimizer_class"], names)
-        check.check_predictor(state["predictor"], self.predictor.state_dict())
+        check.check_predictor(state["predictor"], self.predictor.numel, self.predictor.scales.shape)
         buffers = [owner._buffers[name] for owner, name in buffer_slots(module)]
         check.check_snapshot(state["anchor"], "anchor", self.params, buffers, finite=False)
         check.check_snapshot(state["good_state"], "good_state", self.params, buffers, finite=True)
@@ -552,10 +486,11 @@ class HybridTrainer:
         if self.cost is not None and state["cost"] is not None:
             small.append(("cost", self.cost, "load_state_dict"))
         for key, component, method in small:
-            check.check_loads_into_a_copy(component, state[key], key, method)
+            if component is not None and state[key] is not None:  # as the registry: skipped when either has none
+                check.check_loads_into_a_copy(component, state[key], key, method)
         # These hold references to the large parts (a copy would copy them): their keys only.
         for key, live in (("worth", self.worth.state_dict()), ("predict_phase", self.predict_phase.state_dict()),
-                          ("trainer", self._loop_state())):
+                          ("trainer", {"step_count": 0, "last_update_cosine": 0.0})):
             check.check_keys(state[key], live, key)
         rngs = state.get("rng_by_rank") or [state["rng"]]
         if not all(isinstance(r, dict) and isinstance(r.get("torch"), torch.Tensor) and r["torch"].dtype == torch.uint8
@@ -570,7 +505,13 @@ class HybridTrainer:
 
         Refuses (``ValueError`` naming them) to write weights, buffers or optimizer state holding
         NaN or Inf: ``load`` would refuse the file, and a NaN from outside the guard's view (a
-        batch-norm statistic, between good-state snapshots) must not outlive the run in it."""
+        batch-norm statistic, between good-state snapshots) must not outlive the run in it. So
+        does the emergency checkpoint (warned about, see :meth:`_emergency_checkpoint`)."""
+        self._write_checkpoint(path)
+        self.events.saved(path, self.step_count, wrote=self.ranks.is_writer)
+        self.events.dispatch(self, after=f"trainer.save({str(path)!r}) had completed")
+
+    def _write_checkpoint(self, path) -> None:
         self._state_home()
         bad = self.guard.non_finite_state()  # the same on every rank (DDP keeps them equal): all raise
         if bad:
@@ -589,3 +530,20 @@ class HybridTrainer:
         # sampler's) are restored only from CPU byte tensors, forecasts live on the CPU, and every
         # loader copies what it restores onto its own tensors' device (this rank's GPU).
         self.load_state_dict(checkpoint.load(path, map_location="cpu"))
+        self.events.loaded(path, self.step_count)
+        self.events.dispatch(self, after=f"trainer.load({str(path)!r}) had completed")
+
+    # ============================================================================= outputs ====
+    def close(self) -> None:
+        """Flush and close the files the trainer writes (JSONL metrics, TensorBoard event file);
+        idempotent. Call it when training is done (or use ``with HybridTrainer(...) as trainer``)."""
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+    def __enter__(self) -> HybridTrainer:
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        self.close()

@@ -23,3 +23,15 @@ def test_quick_run_writes_every_arm_and_recording_with_batched_reductions_costs_
     assert plain < no_predict < batched < per_tensor
     assert arms[host_ops.ARMS[2]]["phases"].get("FULL", 0) >= 1  # counted real steps that record
     assert "| HybridTrainer, batched reductions |" in (tmp_path / "host_ops.md").read_text()
+    # The plain loop's only reads are the optimizer's own (its step counters); the trainer's are named.
+    assert set(arms[host_ops.ARMS[0]]["read_backs_by_caller"]) <= {"optimizer"}
+    assert arms[host_ops.ARMS[1]]["read_backs_median"] >= arms[host_ops.ARMS[0]]["read_backs_median"]
+
+
+def test_read_backs_are_counted_for_item_and_tolist():
+    x = torch.randn(3)
+    with HostOps() as host:
+        x.sum().item()
+        x.tolist()
+    assert sum(host.read_backs.values()) == 2
+    assert torch.Tensor.tolist is not None and x.tolist() == x.tolist()  # unwrapped again

@@ -1,0 +1,518 @@
+"""What does the trainer cost next to a plain loop, in time and in peak memory?
+
+    python -m bench.overhead [--models mlp-1ms fashion charlm mlp-50m] [--device cpu|cuda] [--quick]
+
+Every model is trained by the plain loop (``zero_grad``, ``loss.backward()``, ``optimizer.step()``:
+no read of the loss) and by ``HybridTrainer`` in three configurations (``predict=False``, the
+default, ``weight_average=True``), all with AdamW (torch's default implementation for the device),
+the same initial weights, the same batches in the same order and the same seed.
+
+* **Time** (models under ``IN_PROCESS_PARAMS`` parameters): every arm lives in one process and
+  the arms are stepped in interleaved chunks (the order rotated each round), so the machine's
+  load falls on all of them alike. On CUDA a chunk is timed as a whole between two
+  synchronisations (each of its steps gets the chunk's mean), so the trainer's own waits on the
+  device are in its time. Per arm the median step time over the timed steps, after
+  ``--warmup`` untimed steps; for the trainer also the median over its real steps only (the
+  default config's predicted steps skip the backward, which is a saving, not an overhead). The
+  fixed cost is the difference of the medians in µs, the ratio their quotient. Larger models
+  (the ≥50M one) are timed inside their memory subprocess, one arm after another.
+* **Peak memory**: each arm in a fresh subprocess. The data and batches are made first and the
+  arm runs a few throwaway steps (on the model itself, on a tiny one of the same kind for the
+  ≥50M model), so that the code it executes is paged in (a code page first touched by an arm
+  would count as its memory); freed heap goes back to the system (``malloc_trim``); then the
+  peak resident set size is reset (``/proc/self/clear_refs``) and the RSS read as the baseline; the model, optimizer and trainer are built and ``--memory-steps`` steps run; the
+  arm's training memory is the peak (``VmHWM``) minus the baseline. RSS is what a user meets
+  (every allocation the process touches, Python objects and allocator slack included); a
+  snapshot written to a file sits in the kernel's page cache, reclaimable once written back, and
+  is not in it. On CUDA the figure is ``torch.cuda.max_memory_allocated`` above the baseline
+  instead. Ratios are trainer over plain; extra bytes the difference. The child also counts the
+  bytes the trainer holds in tensors beyond the plain loop's (:mod:`hybrid_trainer.footprint`).
+
+Writes ``<out>/overhead.{json,md}`` (``overhead_quick`` with ``--quick``; ``_cuda`` on CUDA),
+each recording the git commit and whether the tree was dirty.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parent.parent
+ARMS: dict[str, dict[str, Any] | None] = {
+    "plain": None,
+    "predict=False": dict(predict=False),
+    "default": {},
+    "weight_average": dict(weight_average=True),
+}
+IN_PROCESS_PARAMS = 5_000_000  # above this, all arms in one process would hold too much memory at once
+
+
+@dataclass
+class Workload:
+    """A model, its loss and a fixed list of batches (cycled)."""
+
+    name: str
+    make_model: Callable[[int], nn.Module]
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor]
+    batches: list[Any]
+    lr: float
+    details: dict[str, Any]
+
+
+def _classifier_loss(model: nn.Module, batch) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def synthetic_mlp(name: str, width_in: int, hidden: list[int], classes: int, batch_size: int, n_batches: int,
+                  device: torch.device) -> Workload:
+    """An MLP learning a fixed random teacher's labels (so the loss does fall and the trainer's
+    phases run as on real data); inputs Gaussian, batches drawn once on CPU."""
+    gen = torch.Generator().manual_seed(1234)
+    teacher = torch.randn(width_in, classes, generator=gen)
+    batches = []
+    for _ in range(n_batches):
+        x = torch.randn(batch_size, width_in, generator=gen)
+        batches.append((x.to(device), (x @ teacher).argmax(1).to(device)))
+
+    def make_model(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        layers, width = [], width_in
+        for h in hidden:
+            layers += [nn.Linear(width, h), nn.ReLU()]
+            width = h
+        return nn.Sequential(*layers, nn.Linear(width, classes)).to(device)
+
+    return Workload(name, make_model, _classifier_loss, batches, 1e-3,
+                    dict(kind="synthetic MLP", width_in=width_in, hidden=hidden, classes=classes,
+                         batch_size=batch_size))
+
+
+def task_workload(name: str, n_batches: int, device: torch.device) -> Workload:
+    from .tasks import get_task
+
+    task = get_task(name, device=device)
+    stream = task.batches(0)
+    return Workload(name, task.make_model, task.loss_fn, [next(stream) for _ in range(n_batches)],
+                    task.lr_grid[len(task.lr_grid) // 2], dict(kind="bench.tasks", data=task.data_source,
+                                                               **task.details))
+
+
+def make_workload(name: str, n_batches: int, device: torch.device) -> Workload:
+    """``mlp-1ms``: a step of about a millisecond on one CPU core; ``mlp-50m``: 4 layers 3584
+    wide (51M parameters); ``tiny``/``small``: the ``--quick`` sizes."""
+    if name == "mlp-1ms":
+        return synthetic_mlp(name, 256, [256, 256], 10, 32, n_batches, device)
+    if name == "mlp-50m":
+        return synthetic_mlp(name, 3584, [3584, 3584, 3584], 3584, 8, n_batches, device)
+    if name == "tiny":
+        return synthetic_mlp(name, 16, [32], 4, 8, n_batches, device)
+    if name == "small":
+        return synthetic_mlp(name, 64, [256, 256], 10, 16, n_batches, device)
+    if name in ("fashion", "charlm"):
+        return task_workload(name, n_batches, device)
+    raise ValueError(f"--models: unknown model {name!r}; one of mlp-1ms, fashion, charlm, mlp-50m, tiny, small")
+
+
+def _arm_step(arm: str, workload: Workload, device: torch.device, seed: int = 0):
+    """(step function, trainer or None, model) of one arm, freshly built."""
+    from hybrid_trainer import HybridConfig, HybridTrainer
+
+    model = workload.make_model(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=workload.lr)
+    if ARMS[arm] is None:
+        def plain(batch) -> None:
+            optimizer.zero_grad(set_to_none=True)
+            workload.loss_fn(model, batch).backward()
+            optimizer.step()
+        return plain, None, model
+    trainer = HybridTrainer(model, optimizer, workload.loss_fn, HybridConfig(seed=seed, **ARMS[arm]))
+    return trainer.step, trainer, model
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _phase(trainer) -> str:
+    return "plain" if trainer is None else trainer.controller.phase.value
+
+
+def _time_summary(times_s: list[float], phases: list[str]) -> dict[str, Any]:
+    real = [t for t, p in zip(times_s, phases) if p != "PREDICT"]
+    return dict(steps=len(times_s), median_us=1e6 * statistics.median(times_s),
+                mean_us=1e6 * statistics.fmean(times_s),
+                real_steps=len(real), real_median_us=1e6 * statistics.median(real) if real else None,
+                phases={p: phases.count(p) for p in sorted(set(phases))})
+
+
+# =================================================================================== time ====
+def time_interleaved(workload: Workload, device: torch.device, warmup: int, steps: int, chunk: int,
+                     progress) -> dict[str, dict[str, Any]]:
+    """Per arm: step times in one process, arms interleaved chunk by chunk."""
+    arms = {}
+    for arm in ARMS:
+        step, trainer, _ = _arm_step(arm, workload, device)
+        arms[arm] = dict(step=step, trainer=trainer, position=0, times=[], phases=[])
+    n = len(workload.batches)
+    for arm, a in arms.items():  # untimed: past the trainer's warm-up phase and first decisions
+        for _ in range(warmup):
+            a["step"](workload.batches[a["position"] % n])
+            a["position"] += 1
+    names = list(arms)
+    rounds = -(-steps // chunk)
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for arm in order:
+            a = arms[arm]
+            if device.type == "cuda":
+                # One synchronisation per chunk, not per step: a sync after every step would hide
+                # the trainer's own waits on the device, which are what a GPU run must show.
+                phases = []
+                _sync(device)
+                started = time.perf_counter()
+                for _ in range(chunk):
+                    phases.append(_phase(a["trainer"]))
+                    a["step"](workload.batches[a["position"] % n])
+                    a["position"] += 1
+                _sync(device)
+                per_step = (time.perf_counter() - started) / chunk
+                a["times"] += [per_step] * chunk
+                a["phases"] += phases
+                continue
+            for _ in range(chunk):
+                batch = workload.batches[a["position"] % n]
+                phase = _phase(a["trainer"])
+                started = time.perf_counter()
+                a["step"](batch)
+                a["times"].append(time.perf_counter() - started)
+                a["phases"].append(phase)
+                a["position"] += 1
+        progress.update(1)
+    out = {}
+    for arm, a in arms.items():
+        out[arm] = _time_summary(a["times"], a["phases"])
+        if a["trainer"] is not None:
+            out[arm]["prediction_enabled_at_end"] = a["trainer"].controller.prediction_enabled
+    return out
+
+
+# ============================================================================== breakdown ====
+BREAKDOWN_PARTS = {  # label: (object path from the trainer, method)
+    "gradient norm (guard)": ("guard", "grad_norm"),
+    "read loss and norm (guard)": ("guard", "read_loss_and_norm"),
+    "divergence check (guard)": ("guard", "check"),
+    "accept: monitor + good state (guard)": ("guard", "accept"),
+    "good-state snapshot (inside accept)": ("guard.good_state", "save"),
+    "forecaster.observe": ("forecaster", "observe"),
+    "loss trend": ("loss_trend", "update"),
+    "controller.advance": ("controller", "advance"),
+}
+
+
+def breakdown(workload: Workload, arm: str, device: torch.device, warmup: int, steps: int) -> dict[str, Any]:
+    """Where one arm's step time goes: the model's forward (``loss_fn``), ``backward`` and the
+    optimizer step, timed by wrapping them, the trainer's own parts likewise; ``own_us`` is the
+    step minus forward, backward and optimizer, i.e. everything the trainer adds. Mean µs per
+    step over ``steps`` steps (each wrapper adds well under a µs)."""
+    step, trainer, _ = _arm_step(arm, workload, device)
+    spent: dict[str, float] = {}
+
+    def timed(label: str, fn):
+        def wrapper(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[label] = spent.get(label, 0.0) + time.perf_counter() - started
+        return wrapper
+
+    trainer.loss_fn = timed("model forward", trainer.loss_fn)
+    trainer.optimizer.step = timed("optimizer step", trainer.optimizer.step)
+    for label, (path, method) in BREAKDOWN_PARTS.items():
+        owner = trainer
+        for name in path.split("."):
+            owner = getattr(owner, name)
+        setattr(owner, method, timed(label, getattr(owner, method)))
+    backward = torch.Tensor.backward
+    torch.Tensor.backward = timed("backward", backward)
+    try:
+        n = len(workload.batches)
+        for i in range(warmup):
+            step(workload.batches[i % n])
+        spent.clear()
+        started = time.perf_counter()
+        for i in range(steps):
+            step(workload.batches[(warmup + i) % n])
+        total = time.perf_counter() - started
+    finally:
+        torch.Tensor.backward = backward
+    per_step = {label: 1e6 * s / steps for label, s in sorted(spent.items(), key=lambda kv: -kv[1])}
+    core = sum(per_step.get(k, 0.0) for k in ("model forward", "backward", "optimizer step"))
+    return dict(arm=arm, steps=steps, step_us=1e6 * total / steps, own_us=1e6 * total / steps - core, parts_us=per_step)
+
+
+# ================================================================================= memory ====
+def _rss_bytes() -> int:
+    return int(re.search(r"VmRSS:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
+
+
+def _peak_rss_bytes() -> int:
+    return int(re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
+
+
+def _plain_state_bytes(model: nn.Module, optimizer_state: dict) -> dict[str, int]:
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    grads = params  # every trained parameter gets a gradient of its size during the step
+    opt = sum(v.numel() * v.element_size() for s in optimizer_state.values() for v in s.values()
+              if isinstance(v, torch.Tensor))
+    return dict(params=params, grads=grads, optimizer_state=opt)
+
+
+WARM_UP_STEPS = 60  # past the trainer's WARMUP phase into recording, so those code paths run too
+
+
+def warm_up_code(workload: Workload, arm: str, device: torch.device) -> None:
+    """Run ``arm`` for a few steps and throw it away: the code a long run executes (torch's
+    kernels, the trainer's) is then paged in before the baseline, as it is in any long run; a
+    resident code page would otherwise count as training memory of whichever arm first ran it."""
+    step, trainer, model = _arm_step(arm, workload, device)
+    for i in range(WARM_UP_STEPS):
+        step(workload.batches[i % len(workload.batches)])
+    del step, trainer, model
+
+
+def _return_free_heap() -> None:
+    """Give the heap's free pages back to the system (glibc ``malloc_trim``), so that memory the
+    warm-up freed is not reused by the measured arm without showing in its peak."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the warm-up's freed heap stays counted in the baseline
+        pass
+
+
+def memory_child(model_name: str, arm: str, device_name: str, steps: int, n_batches: int, time_steps: int) -> dict:
+    """Run in a fresh process: peak training memory of one arm (and, for the big model, its step times)."""
+    from hybrid_trainer.footprint import trainer_tensor_bytes
+
+    torch.set_num_threads(1)
+    device = torch.device(device_name)
+    workload = make_workload(model_name, n_batches, device)
+    warm_up_code(workload if model_name != "mlp-50m" else make_workload("tiny", 8, device), arm, device)
+    gc.collect()
+    _return_free_heap()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        baseline = torch.cuda.memory_allocated(device)
+    else:
+        Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) starts again at the current RSS
+        baseline = _rss_bytes()
+    step, trainer, model = _arm_step(arm, workload, device)
+    times, phases = [], []
+    for i in range(steps):
+        phase = _phase(trainer)
+        _sync(device)
+        started = time.perf_counter()
+        step(workload.batches[i % len(workload.batches)])
+        _sync(device)
+        if i >= steps - time_steps:
+            times.append(time.perf_counter() - started)
+            phases.append(phase)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _peak_rss_bytes()
+    result = dict(model=model_name, arm=arm, baseline_bytes=baseline, peak_bytes=peak, training_bytes=peak - baseline,
+                  parameters=sum(p.numel() for p in model.parameters()), steps=steps,
+                  time=_time_summary(times, phases) if times else None)
+    if trainer is not None:
+        result["trainer_tensor_bytes"] = trainer_tensor_bytes(trainer)
+        result["prediction_enabled_at_end"] = trainer.controller.prediction_enabled
+        result["plain_state_bytes"] = _plain_state_bytes(model, trainer.optimizer.state)
+    return result
+
+
+def run_memory_child(model_name: str, arm: str, device: str, steps: int, n_batches: int, time_steps: int) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", HYBRID_KERNELS_BACKEND=os.environ.get("HYBRID_KERNELS_BACKEND", "eager"))
+    env.pop("TRITON_INTERPRET", None)
+    command = [sys.executable, "-m", "bench.overhead", "--child", model_name, arm, "--device", device,
+               "--memory-steps", str(steps), "--batches", str(n_batches), "--child-time-steps", str(time_steps)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=ROOT)
+    if done.returncode != 0:
+        raise RuntimeError(f"memory child {model_name}/{arm} failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# ================================================================================ report ====
+def git_state() -> dict[str, Any]:
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    return dict(commit=git("rev-parse", "HEAD") or None, dirty=bool(git("status", "--porcelain")))
+
+
+def compare(plain: dict, arm: dict) -> dict[str, Any]:
+    """Ratios and differences of one trainer arm against the plain loop, from the measurements."""
+    out: dict[str, Any] = {}
+    if plain.get("time") and arm.get("time"):
+        p, a = plain["time"], arm["time"]
+        out["time_ratio"] = a["median_us"] / p["median_us"]
+        out["overhead_us"] = a["median_us"] - p["median_us"]
+        if a["real_median_us"] is not None:
+            out["real_step_ratio"] = a["real_median_us"] / p["median_us"]
+            out["real_step_overhead_us"] = a["real_median_us"] - p["median_us"]
+    if plain.get("memory") and arm.get("memory"):
+        p, a = plain["memory"]["training_bytes"], arm["memory"]["training_bytes"]
+        out["memory_ratio"] = a / p if p > 0 else None
+        out["extra_bytes"] = a - p
+    return out
+
+
+def _mb(n: float | None) -> str:
+    return "–" if n is None else f"{n / 1e6:.1f}"
+
+
+def markdown(results: dict[str, Any]) -> str:
+    runs = {json.dumps(r["run"], sort_keys=True) for r in results["models"].values() if "run" in r}
+    if len(runs) > 1:  # merged from several invocations: say which model came from which
+        results = dict(results, command="; ".join(sorted({r["run"]["command"] for r in results["models"].values()
+                                                           if "run" in r})))
+    lines = [f"Trainer overhead over the plain AdamW loop, `{results['command']}` ({results['date']}, commit "
+             f"{(results['git']['commit'] or '?')[:10]}{' + uncommitted changes' if results['git']['dirty'] else ''}, "
+             f"torch {results['torch']}, {results['device']}, {results['threads']} thread(s)).", "",
+             "Time: median step, arms interleaved in one process (models ≤ 5M parameters) or one after another in "
+             "their memory process (larger); overhead = trainer − plain. Real steps: the trainer's non-predicted "
+             "steps. Memory: peak training memory (peak RSS above the baseline after data loading) in a fresh "
+             "process per arm; ratio = trainer / plain.", "",
+             "| model | params | arm | step (µs) | overhead (µs) | ratio | real-step ratio | peak (MB) | "
+             "memory ratio | extra (MB) | trainer tensors (MB) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    if len(runs) > 1:
+        lines[1:1] = ["Runs: " + "; ".join(f"{m}: `{r['run']['command']}` at {r['run']['date']}, commit "
+                                           f"{(r['run']['git']['commit'] or '?')[:10]}"
+                                           for m, r in results["models"].items() if "run" in r), ""]
+    for model, r in results["models"].items():
+        for arm, a in r["arms"].items():
+            c = a.get("vs_plain", {})
+            t = a.get("time") or {}
+            held = (a.get("memory") or {}).get("trainer_tensor_bytes", {}).get("total")
+            fmt = lambda v, f: "–" if v is None else format(v, f)  # noqa: E731
+            lines.append(f"| {model} | {r['parameters'] / 1e6:.2f}M | {arm} | {fmt(t.get('median_us'), '.0f')} | "
+                         f"{fmt(c.get('overhead_us'), '+.0f')} | {fmt(c.get('time_ratio'), '.3f')} | "
+                         f"{fmt(c.get('real_step_ratio'), '.3f')} | {_mb((a.get('memory') or {}).get('training_bytes'))} | "
+                         f"{fmt(c.get('memory_ratio'), '.3f')} | {_mb(c.get('extra_bytes'))} | {_mb(held)} |")
+    for model, r in results["models"].items():
+        b = r.get("breakdown")
+        if b:
+            parts = ", ".join(f"{k} {v:.1f}" for k, v in b["parts_us"].items())
+            lines.append(f"- {model} / {b['arm']}: step {b['step_us']:.0f} µs, of which the trainer's own "
+                         f"{b['own_us']:.0f} µs (step minus forward, backward and optimizer); µs per step: {parts}")
+    if any(r.get("breakdown") for r in results["models"].values()):
+        lines.insert(len(lines) - sum(1 for r in results["models"].values() if r.get("breakdown")),
+                     "\nWhere a step's time goes (each part timed by wrapping it, one arm alone):\n")
+    lines += ["", "Trainer tensors: bytes the trainer holds in tensors beyond the model, its gradients and the "
+              "optimizer state, at the end of the memory run (`hybrid_trainer.footprint`), by holder:", ""]
+    for model, r in results["models"].items():
+        for arm, a in r["arms"].items():
+            held = (a.get("memory") or {}).get("trainer_tensor_bytes")
+            if held:
+                parts = ", ".join(f"{k} {_mb(v)}" for k, v in sorted(held["by_holder"].items(), key=lambda kv: -kv[1])
+                                  if v >= 1e4)
+                lines.append(f"- {model} / {arm}: {_mb(held['total'])} MB ({parts or 'nothing over 10 kB'})")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=None)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes and few steps (tests)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps per arm before timing")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per arm")
+    parser.add_argument("--chunk", type=int, default=10, help="steps per arm per interleaving round")
+    parser.add_argument("--memory-steps", type=int, default=None, help="steps per memory run (fresh process)")
+    parser.add_argument("--batches", type=int, default=64, help="distinct batches, cycled")
+    parser.add_argument("--breakdown-steps", type=int, default=None,
+                        help="steps of the predict=False arm timed part by part (models under 5M parameters; 0: none)")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the other models of an existing results file (each model records its own run)")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results")
+    parser.add_argument("--child", nargs=2, metavar=("MODEL", "ARM"), help=argparse.SUPPRESS)
+    parser.add_argument("--child-time-steps", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if args.child:
+        print(json.dumps(memory_child(*args.child, args.device, args.memory_steps, args.batches, args.child_time_steps)))
+        return 0
+    if os.environ.get("TRITON_INTERPRET") == "1" and device.type == "cpu":
+        os.environ.pop("TRITON_INTERPRET")  # children get the eager kernels; interpreted ones would distort time
+    os.environ.setdefault("HYBRID_KERNELS_BACKEND", "eager")
+    from tqdm import tqdm
+
+    torch.set_num_threads(1)
+    models = args.models or (["tiny", "small"] if args.quick else ["mlp-1ms", "fashion", "charlm", "mlp-50m"])
+    warmup = args.warmup if args.warmup is not None else (25 if args.quick else 60)
+    steps = args.steps if args.steps is not None else (20 if args.quick else 400)
+    memory_steps = args.memory_steps if args.memory_steps is not None else (30 if args.quick else 120)
+    command = "python -m bench.overhead " + " ".join(sys.argv[1:] if argv is None else argv)
+    results: dict[str, Any] = dict(command=command.strip(), date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                                   git=git_state(), torch=torch.__version__, device=str(device),
+                                   host=platform.node(), threads=torch.get_num_threads(), models={},
+                                   settings=dict(warmup=warmup, steps=steps, chunk=args.chunk,
+                                                 memory_steps=memory_steps, batches=args.batches))
+    for name in models:
+        workload = make_workload(name, args.batches, device)
+        n_params = sum(p.numel() for p in workload.make_model(0).parameters())
+        big = n_params > IN_PROCESS_PARAMS
+        entry: dict[str, Any] = dict(parameters=n_params, details=workload.details, arms={a: {} for a in ARMS})
+        if not big:
+            with tqdm(total=-(-steps // args.chunk), desc=f"{name}: time", leave=False) as bar:
+                for arm, t in time_interleaved(workload, device, warmup, steps, args.chunk, bar).items():
+                    entry["arms"][arm]["time"] = t
+            parts_steps = args.breakdown_steps if args.breakdown_steps is not None else (10 if args.quick else 300)
+            if parts_steps:
+                entry["breakdown"] = breakdown(workload, "predict=False", device, warmup, parts_steps)
+        del workload
+        gc.collect()
+        big_memory_steps = min(memory_steps, 60) if big else memory_steps
+        time_steps = min(20, big_memory_steps // 2) if big else 0
+        for arm in tqdm(ARMS, desc=f"{name}: memory", leave=False):
+            child = run_memory_child(name, arm, args.device, big_memory_steps, args.batches if not big else 8, time_steps)
+            entry["arms"][arm]["memory"] = child
+            if big:
+                entry["arms"][arm]["time"] = child["time"]
+        plain = entry["arms"]["plain"]
+        for arm, a in entry["arms"].items():
+            if arm != "plain":
+                a["vs_plain"] = compare(plain, a)
+        entry["run"] = dict(command=results["command"], date=results["date"], git=results["git"])
+        results["models"][name] = entry
+        print(markdown(dict(results, models={name: entry})), flush=True)
+    suffix = ("_quick" if args.quick else "") + ("" if device.type == "cpu" else f"_{device.type}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    existing = args.out / f"overhead{suffix}.json"
+    if args.merge and existing.exists():
+        kept = {k: v for k, v in json.loads(existing.read_text())["models"].items() if k not in results["models"]}
+        results["models"] = {**kept, **results["models"]}
+    (args.out / f"overhead{suffix}.json").write_text(json.dumps(results, indent=1))
+    (args.out / f"overhead{suffix}.md").write_text(markdown(results))
+    print(f"wrote {args.out}/overhead{suffix}.json and .md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

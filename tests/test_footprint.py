@@ -1,0 +1,84 @@
+"""What the trainer keeps in tensors beside the plain loop's weights, gradients and optimizer state.
+
+Measured as a slope: the bytes the trainer holds on the training device (walked through its
+collaborators by ``hybrid_trainer.footprint``) at two model widths, per byte of parameters added.
+Fixed-size parts (the dynamics model, counters) cancel; anything kept per parameter (a snapshot of
+the weights or of the optimizer state, the predictor's direction buffers) shows up as 1 or more.
+"""
+import pytest
+import torch
+
+from hybrid_trainer import HybridConfig, HybridTrainer
+from hybrid_trainer.footprint import trainer_tensor_bytes
+
+from _digits import batches, cross_entropy, digits_tensors
+
+WIDTHS = (128, 512)
+
+
+@pytest.fixture(autouse=True)
+def eager_kernels(monkeypatch):
+    monkeypatch.setenv("HYBRID_KERNELS_BACKEND", "eager")
+
+
+@pytest.fixture(scope="module")
+def stream():
+    x, y = digits_tensors()
+    return batches(x, y, 64, 70)
+
+
+def _trainer(width: int, **config) -> HybridTrainer:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
+                                torch.nn.ReLU(), torch.nn.Linear(width, 10))
+    return HybridTrainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), cross_entropy, HybridConfig(**config))
+
+
+def _held_on_device(trainer: HybridTrainer) -> int:
+    return trainer_tensor_bytes(trainer)["by_device"].get(str(trainer.device), 0)
+
+
+def _param_bytes(trainer: HybridTrainer) -> int:
+    return sum(p.numel() * p.element_size() for p in trainer.params)
+
+
+def _slope(trainers) -> float:
+    """Trainer-held device bytes per parameter byte, between the two widths."""
+    small, large = trainers
+    return (_held_on_device(large) - _held_on_device(small)) / (_param_bytes(large) - _param_bytes(small))
+
+
+def _run(trainers, stream, steps, start=0):
+    for trainer in trainers:
+        for batch in stream[start:start + steps]:
+            trainer.step(batch)
+
+
+def test_predict_false_keeps_no_copy_of_the_weights_or_optimizer_state_on_the_device(stream):
+    trainers = [_trainer(w, predict=False) for w in WIDTHS]
+    _run(trainers, stream, 60)  # good states taken at real steps 1 and 51
+    assert all(t.good_state.is_set for t in trainers)
+    assert _slope(trainers) < 0.05
+
+
+def test_a_good_state_kept_on_the_device_is_counted(stream):
+    """The same measurement sees a snapshot beside the weights (weights + AdamW's two moments)."""
+    trainers = [_trainer(w, predict=False, good_state_storage="device") for w in WIDTHS]
+    _run(trainers, stream, 3)
+    assert _slope(trainers) >= 2.9
+
+
+def test_prediction_buffers_exist_only_while_prediction_can_run(stream):
+    trainers = [_trainer(w) for w in WIDTHS]
+    _run(trainers, stream, 10)  # WARMUP: nothing recorded yet
+    assert all(t.controller.phase.value == "WARMUP" for t in trainers)
+    assert _slope(trainers) < 0.05
+    _run(trainers, stream, 20, start=10)  # FULL: real updates are recorded
+    assert all(t.predictor.allocated for t in trainers)
+    assert _slope(trainers) >= 0.9  # the direction (and the step's before-copy) do exist now
+    for t in trainers:  # prediction off for good, as the controller does after repeated rejections
+        t.controller.disabled_reason = "switched off by the test"
+    _run(trainers, stream, 1, start=30)
+    assert not any(t.predictor.allocated for t in trainers)
+    assert all(t.dynamics is None for t in trainers)  # the forecaster's model goes too
+    assert _slope(trainers) < 0.05
