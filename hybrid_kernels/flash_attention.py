@@ -9,7 +9,9 @@ Shapes and dtypes:
   ``h`` reads kv head ``h // (Hq // Hkv)`` (grouped-query attention; ``Hkv == 1`` is multi-query
   attention), the same grouping as ``repeat_interleave(Hq // Hkv, dim=1)`` on k and v and as
   SDPA's ``enable_gqa=True``.
-* ``D`` in {16, 32, 64, 128}; any ``Nq >= 0``, ``Nk >= 1`` (not only block multiples).
+* ``D`` in {16, 32, 64, 128}; any ``Nq >= 0``, ``Nk >= 1`` (not only block multiples). Empty in,
+  empty out: ``B == 0``, ``Nq == 0`` or ``Hq == 0`` (``Hkv`` may then be 0 too) give an empty
+  output (and zero gradients for k and v); ``Hkv == 0`` with ``Hq > 0`` is a ``ValueError``.
 * float32, float16 or bfloat16 (all three the same dtype). Softmax statistics and every
   accumulator are fp32; fp16/bf16 tensors feed ``tl.dot`` directly (fp32 accumulation), fp32
   tensors use IEEE fp32 dots (not TF32) so fp32 keeps fp32 accuracy on a GPU. On the Triton
@@ -593,7 +595,7 @@ def _backward_triton(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
 # --------------------------------------------------------------------------------------------
 def _attention_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                      softmax_scale: float) -> torch.Tensor:
-    kv_group_size = q.shape[1] // k.shape[1]
+    kv_group_size = q.shape[1] // max(k.shape[1], 1)  # no heads at all: SDPA returns the empty output
     if kv_group_size > 1:
         if _SDPA_HAS_GQA:
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale, enable_gqa=True)
@@ -606,7 +608,7 @@ def _softmax_stats_eager(q: torch.Tensor, k: torch.Tensor, causal: bool, softmax
     """The kernels' saved statistics ``[2, B, Hq, Nq]`` fp32: row max of the raw scores q.k and
     1 / sum exp(softmax_scale * (scores - max)). Materializes the scores: only the compiled-graph
     fallback uses it."""
-    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    k = k.repeat_interleave(q.shape[1] // max(k.shape[1], 1), dim=1)
     scores = q.float() @ k.float().transpose(-2, -1)
     if causal:
         visible = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
@@ -728,7 +730,10 @@ def _check_inputs(q, k, v, causal, softmax_scale) -> None:
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"k has batch size {k.shape[0]} but q has batch size {q.shape[0]}")
     n_q_heads, n_kv_heads = q.shape[1], k.shape[1]
-    if n_kv_heads == 0 or n_q_heads % n_kv_heads != 0:
+    if n_kv_heads == 0 and n_q_heads > 0:
+        raise ValueError(f"k and v have no heads (dim 1 is 0) but q has {n_q_heads}: every query head needs a "
+                         "key/value head")
+    if n_kv_heads > 0 and n_q_heads % n_kv_heads != 0:
         raise ValueError(f"q's head count ({n_q_heads}) must be a multiple of k's and v's head count "
                          f"({n_kv_heads}) for grouped-query attention")
     if k.shape[2] == 0:

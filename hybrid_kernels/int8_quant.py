@@ -9,7 +9,8 @@ Convention (identical on every backend, bit for bit):
   grid is symmetric (``-128`` is never produced).
 * ``q = clamp(round_half_to_even(x / scale), -127, 127)`` with IEEE division (not a reciprocal
   multiply): the same rule as ``torch.round``.
-* A group whose absmax is 0 gets scale 0 and codes 0 (no NaN).
+* A group whose absmax is 0 gets scale 0 and codes 0 (no NaN). An empty input gives empty codes
+  and zero scales of the usual shape (``[5, 0]`` by row: five scales, each 0).
 * A group holding NaN or Inf gets a non-finite scale (NaN codes become 0), so dequantizing it
   gives non-finite values: corruption stays visible instead of turning into plausible numbers.
 * ``dequantize: x_hat = float32(q) * scale`` (one rounding), cast to the requested dtype.
@@ -249,6 +250,8 @@ def _quantize_eager(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, tor
 def _dequantize_eager(q: torch.Tensor, scales: torch.Tensor, group_size: int,
                       dtype: torch.dtype) -> torch.Tensor:
     numel = q.numel()
+    if numel == 0:  # rows of length 0 still have scales: no groups to pair them with
+        return torch.empty(q.shape, dtype=dtype, device=q.device)
     groups = _padded_groups(q.reshape(-1).float(), group_size)
     return (groups * scales[:, None]).reshape(-1)[:numel].to(dtype).view(q.shape)
 
@@ -350,6 +353,14 @@ def quantize_int8(x: torch.Tensor, granularity: str = "tensor",
         raise TypeError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
     group_size = group_size_for(x.shape, granularity, block_size)
     x = x.detach().contiguous()
+    if x.numel() == 0:
+        # Empty in, empty out, with the scale shape of the granularity: rows of length 0 (x of
+        # shape [5, 0], "row") still get their 5 scales, and so does "tensor" its one. An empty
+        # group's absmax is 0, the identity of max over |x| >= 0, so its scale is 0 as for an
+        # all-zero group; dequantizing gives back the empty tensor.
+        record("quantize_int8", choose_backend("quantize_int8", x.device))
+        return (torch.empty(x.shape, dtype=torch.int8, device=x.device),
+                torch.zeros(scale_shape_for(x.shape, granularity, block_size), dtype=torch.float32, device=x.device))
     if torch.compiler.is_compiling():
         q, scales = _quantize_op(x, group_size)
     else:  # direct call: skips the dispatcher's per-call overhead in eager mode

@@ -7,9 +7,17 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .divergence import DivergenceMonitor
+
 DIRECTIONS = ("ema", "linear")
 AUTOCAST_DTYPES = (None, "bfloat16", "float16")
 GOOD_STATE_STORAGES = ("auto", "host", "file", "device")
+# Upper bounds of sizes that become allocations: a value past them failed deep inside the
+# trainer (predict_lengths=(2**40,) asked for petabytes for the dynamics model's forecast head).
+MAX_PREDICT_LENGTH = 1024  # the head holds ensemble x hidden x 2 x max(predict_lengths) weights
+MAX_DYNAMICS_BATCH = 4096  # windows per ensemble member per minibatch
+MAX_DYNAMICS_WINDOW = 256  # unrolled states; the model replays its last 512 real steps
+MAX_SEED = 2**63 - 1  # int64, what torch.Generator.manual_seed and NumPy take everywhere
 
 
 @dataclass
@@ -24,7 +32,8 @@ class HybridConfig:
         warmup_steps: plain steps before anything is recorded for prediction.
         full_steps: real steps in a FULL phase before a PREDICT phase may start.
         correct_steps: real steps after each PREDICT phase (residuals, recalibration).
-        predict_lengths: candidate PREDICT lengths (steps); the controller or bandit picks one.
+        predict_lengths: candidate PREDICT lengths (steps, each at most 1024); the controller or
+            bandit picks one.
         max_consecutive_predict: PREDICT→CORRECT cycles before a FULL phase is forced.
         confidence_threshold: minimum confidence (0..1) to enter PREDICT.
         max_consecutive_rejections: rejected PREDICT phases in a row after which prediction is
@@ -61,7 +70,8 @@ class HybridConfig:
     Dynamics model (RSSM-lite)
         dynamics_hidden, dynamics_ensemble, dynamics_lr, dynamics_train_every,
         dynamics_batch, dynamics_window: GRU hidden size, members, Adam lr, train every N real
-        steps, minibatch size and unrolled window of the online training.
+        steps, minibatch size (at most 4096) and unrolled window (at most 256) of the online
+        training.
 
     Step mechanics
         grad_clip: max gradient norm (None: no clipping; the norm is still measured).
@@ -76,7 +86,8 @@ class HybridConfig:
             (beside the weights: the fastest, and three copies of them with AdamW). A rollback
             restores the same bits from any of them (:class:`~hybrid_trainer.anchor.WeightAnchor`).
         snapshot_dir: folder of the ``"file"`` snapshot (None: the system's temporary folder).
-        divergence: keyword arguments for :class:`~hybrid_trainer.divergence.DivergenceMonitor`.
+        divergence: keyword arguments for :class:`~hybrid_trainer.divergence.DivergenceMonitor`,
+            checked by ``validate()`` with the monitor's own checks.
         memory_profile: record a memory snapshot (NVML/torch.cuda on GPU, RSS on CPU) every
             ``memory_every`` steps (``trainer.profiler``: per-phase stats, peaks, spikes, CSV/JSON).
         memory_spike_threshold: a snapshot above (1 + this) × the recent median is a spike.
@@ -100,7 +111,20 @@ class HybridConfig:
             a third once it is first swapped in, two passes over them per real step) for evaluation and export through
             ``trainer.averaged_weights()``; training never uses it. Evaluated at the average, a
             larger learning rate can pay (docs/trainer.md): re-tune it with this on.
-        seed: seed of the trainer's own random draws (dynamics replay sampling).
+        seed: seed of the trainer's own random draws (dynamics replay sampling), in [0, 2**63 - 1].
+
+    PREDICT as a nowcast jump (opt-in; :mod:`hybrid_trainer.nowcast_jump`, docs/nowcaster.md)
+        predictor: ``"steps"`` (the predicted-step PREDICT phases above) or ``"nowcast"``: every
+            step is a real step, and every ``nowcast_call_every`` steps the learned nowcaster
+            jumps the weights ahead; the jump is judged after ``nowcast_recovery_steps`` real
+            steps against the pre-jump loss trend (``nowcast_trend_steps``) and rolled back
+            bit-exactly when it does not beat it by ``nowcast_margin`` standard errors.
+        nowcast_spacing: real steps between the nowcaster's snapshots.
+        nowcast_max_horizon: cap (in spacings) on NiNo's horizon schedule 40, 33, 26, 21, 16,
+            11, 8, 5, 3, 1: the shipped nowcaster beats predicting no movement up to 16 spacings
+            and not beyond 32, and capping softens the first, destructive jumps (docs/nowcaster.md).
+        nowcast_moments: ``"keep"`` or ``"reset"`` the optimizer state at a jump.
+        nowcast_weights: path of nowcaster weights (None: the ones shipped with the package).
     """
 
     predict: bool = True
@@ -155,8 +179,19 @@ class HybridConfig:
     weight_average: bool = False
     seed: int = 0
 
+    predictor: str = "steps"
+    nowcast_spacing: int = 50
+    nowcast_max_horizon: int = 16
+    nowcast_call_every: int = 300
+    nowcast_recovery_steps: int = 100
+    nowcast_trend_steps: int = 100
+    nowcast_moments: str = "keep"
+    nowcast_margin: float = 0.0
+    nowcast_weights: str | None = None
+
     def __post_init__(self) -> None:
-        self.predict_lengths = tuple(self.predict_lengths)
+        if isinstance(self.predict_lengths, (list, range)):  # JSON gives a list; anything else is validated as is
+            self.predict_lengths = tuple(self.predict_lengths)
         self.validate()
 
     # -- validation --------------------------------------------------------------------------
@@ -176,10 +211,10 @@ class HybridConfig:
         need("warmup_steps", is_int(self.warmup_steps) and self.warmup_steps >= 0, "an int >= 0")
         need("full_steps", is_int(self.full_steps) and self.full_steps >= 1, "an int >= 1")
         need("correct_steps", is_int(self.correct_steps) and self.correct_steps >= 1, "an int >= 1")
-        need("predict_lengths", len(self.predict_lengths) >= 1
-             and all(is_int(n) and n >= 1 for n in self.predict_lengths)
+        need("predict_lengths", isinstance(self.predict_lengths, tuple) and len(self.predict_lengths) >= 1
+             and all(is_int(n) and 1 <= n <= MAX_PREDICT_LENGTH for n in self.predict_lengths)
              and len(set(self.predict_lengths)) == len(self.predict_lengths),
-             "a non-empty tuple of distinct ints >= 1")
+             f"a non-empty tuple (or list) of distinct ints in [1, {MAX_PREDICT_LENGTH}]")
         need("max_consecutive_predict", is_int(self.max_consecutive_predict) and self.max_consecutive_predict >= 1,
              "an int >= 1")
         need("confidence_threshold", is_num(self.confidence_threshold) and 0 <= self.confidence_threshold <= 1,
@@ -208,8 +243,10 @@ class HybridConfig:
         need("dynamics_lr", is_num(self.dynamics_lr) and self.dynamics_lr > 0, "a float > 0")
         need("dynamics_train_every", is_int(self.dynamics_train_every) and self.dynamics_train_every >= 1,
              "an int >= 1")
-        need("dynamics_batch", is_int(self.dynamics_batch) and self.dynamics_batch >= 1, "an int >= 1")
-        need("dynamics_window", is_int(self.dynamics_window) and self.dynamics_window >= 1, "an int >= 1")
+        need("dynamics_batch", is_int(self.dynamics_batch) and 1 <= self.dynamics_batch <= MAX_DYNAMICS_BATCH,
+             f"an int in [1, {MAX_DYNAMICS_BATCH}]")
+        need("dynamics_window", is_int(self.dynamics_window) and 1 <= self.dynamics_window <= MAX_DYNAMICS_WINDOW,
+             f"an int in [1, {MAX_DYNAMICS_WINDOW}]")
         need("grad_clip", self.grad_clip is None or (is_num(self.grad_clip) and self.grad_clip > 0),
              "None or a float > 0")
         need("grad_accumulation", is_int(self.grad_accumulation) and self.grad_accumulation >= 1, "an int >= 1")
@@ -219,6 +256,11 @@ class HybridConfig:
         need("snapshot_dir", self.snapshot_dir is None or (isinstance(self.snapshot_dir, str) and self.snapshot_dir),
              "None or a folder path (str)")
         need("divergence", isinstance(self.divergence, dict), "a dict of DivergenceMonitor keyword arguments")
+        try:  # the monitor's own checks, so a bad key or value fails here, not when a trainer is built
+            DivergenceMonitor(**self.divergence)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"HybridConfig.divergence={self.divergence!r}: not valid DivergenceMonitor "
+                             f"keyword arguments: {error}") from error
         need("memory_profile", isinstance(self.memory_profile, bool), "a bool")
         need("memory_every", is_int(self.memory_every) and self.memory_every >= 1, "an int >= 1")
         need("memory_spike_threshold", is_num(self.memory_spike_threshold) and self.memory_spike_threshold > 0,
@@ -248,7 +290,18 @@ class HybridConfig:
         need("tensorboard_dir", self.tensorboard_dir is None or (isinstance(self.tensorboard_dir, str)
                                                                  and self.tensorboard_dir), "None or a folder path (str)")
         need("weight_average", isinstance(self.weight_average, bool), "a bool")
-        need("seed", is_int(self.seed) and self.seed >= 0, "an int >= 0")
+        need("seed", is_int(self.seed) and 0 <= self.seed <= MAX_SEED, "an int in [0, 2**63 - 1]")
+        need("predictor", self.predictor in ("steps", "nowcast"), "'steps' or 'nowcast'")
+        for name in ("nowcast_spacing", "nowcast_max_horizon", "nowcast_call_every", "nowcast_recovery_steps",
+                     "nowcast_trend_steps"):
+            need(name, is_int(getattr(self, name)) and getattr(self, name) >= 1, "an int >= 1")
+        need("nowcast_recovery_steps", self.nowcast_recovery_steps < self.nowcast_call_every,
+             "< nowcast_call_every")
+        need("nowcast_moments", self.nowcast_moments in ("keep", "reset"), "'keep' or 'reset'")
+        need("nowcast_margin", isinstance(self.nowcast_margin, (int, float)) and math.isfinite(self.nowcast_margin),
+             "a finite number")
+        need("nowcast_weights", self.nowcast_weights is None or isinstance(self.nowcast_weights, str),
+             "None or a path")
 
     @property
     def horizon(self) -> int:

@@ -7,7 +7,8 @@ All quantities are in **bytes** unless a name says otherwise (``*_mib`` in repor
   device-wide usage of every process); on CPU it reads the process resident set size through ``psutil``.
   A missing driver or NVML library never raises: the reader degrades to what is available.
 * :class:`MemoryProfiler` records one :class:`MemorySnapshot` per (every ``every``-th) step, tagged with the
-  trainer phase, and derives per-phase statistics, the peak and spikes. It only observes.
+  trainer phase, and derives per-phase statistics, the peak and spikes. It only observes, in constant memory:
+  the last ``max_snapshots`` snapshots are kept, the statistics are running aggregates over all of them.
 * :class:`VRAMGuard` compares a reading with a warning and a critical threshold, logs each upward crossing
   once, and on a critical crossing calls a callback (e.g. an emergency checkpoint) and then returns the CUDA
   caching allocator's free blocks to the driver.
@@ -23,7 +24,9 @@ import math
 import os
 import statistics
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, fields
+from itertools import islice
 from pathlib import Path
 from typing import Any, Callable
 
@@ -35,6 +38,7 @@ logger = logging.getLogger("hybrid_trainer.memory")
 
 MIB = 1024 ** 2
 SPIKE_WINDOW = 20  # snapshots whose median is the baseline a new snapshot is compared with
+DEFAULT_MAX_SNAPSHOTS = 10_000  # snapshots MemoryProfiler keeps (a ring); its aggregates cover all of them
 
 
 @dataclass
@@ -198,7 +202,12 @@ def _snapshot_from_row(row: dict[str, Any]) -> MemorySnapshot:
 
 
 class MemoryProfiler:
-    """Per-step memory snapshots, tagged with the trainer phase.
+    """Per-step memory snapshots, tagged with the trainer phase, in constant memory.
+
+    The last ``max_snapshots`` snapshots are kept (``snapshots``, a ring, oldest first). Per-phase
+    statistics, the peak, the high-water mark and the spike count are running aggregates over
+    *every* snapshot recorded, so they stay exact on a run of any length while the profiler's
+    memory stays bounded; the last ``max_snapshots`` spikes are kept as well.
 
     Args:
         reader: returns a :class:`MemorySample`; default :func:`default_reader` of ``device``.
@@ -206,21 +215,55 @@ class MemoryProfiler:
         spike_threshold: a snapshot is a spike when its ``bytes_in_use`` exceeds ``1 + spike_threshold``
             times the median of the previous (up to 20) snapshots; must be > 0.
         every: record only steps with ``step % every == 0`` (a reading costs a syscall or an NVML call).
+        max_snapshots: snapshots (and spikes) kept; at least 20, the spike baseline's window.
+            The default keeps 10,000 (2.5 MB of Python objects, measured with tracemalloc).
     """
 
     def __init__(self, reader: Callable[[], MemorySample] | None = None, device: torch.device | str = "cpu",
-                 spike_threshold: float = 0.25, every: int = 1):
+                 spike_threshold: float = 0.25, every: int = 1, max_snapshots: int = DEFAULT_MAX_SNAPSHOTS):
         if not (isinstance(spike_threshold, (int, float)) and math.isfinite(spike_threshold) and spike_threshold > 0):
             raise ValueError(f"spike_threshold must be a finite number > 0, got {spike_threshold!r}")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be an integer >= 1, got {every!r}")
+        if isinstance(max_snapshots, bool) or not isinstance(max_snapshots, int) or max_snapshots < SPIKE_WINDOW:
+            raise ValueError(f"max_snapshots must be an integer >= {SPIKE_WINDOW} (the spike baseline's window), "
+                             f"got {max_snapshots!r}")
         self.reader = reader if reader is not None else default_reader(device)
         self.spike_threshold = float(spike_threshold)
         self.every = every
-        self.snapshots: list[MemorySnapshot] = []
+        self.max_snapshots = max_snapshots
         self.source: str | None = None  # source of the latest sample
-        self._spike_indices: list[int] = []
+        self._reset()
         self._started = time.perf_counter()
+
+    def _reset(self) -> None:
+        self.snapshots: deque[MemorySnapshot] = deque(maxlen=self.max_snapshots)
+        self._spike_flags: deque[bool] = deque(maxlen=self.max_snapshots)  # one per kept snapshot
+        self._spikes: deque[MemorySnapshot] = deque(maxlen=self.max_snapshots)
+        self._phases: dict[str, dict[str, int]] = {}  # phase -> count, sum, min, max of bytes_in_use
+        self._peak: MemorySnapshot | None = None
+        self._high_water: int | None = None
+        self.total_snapshots = 0  # recorded since the start, kept or not
+        self.total_spikes = 0
+
+    def _count(self, snap: MemorySnapshot, is_spike: bool) -> None:
+        """Fold one snapshot into the running aggregates."""
+        value = snap.bytes_in_use
+        agg = self._phases.get(snap.phase)
+        if agg is None:
+            self._phases[snap.phase] = {"count": 1, "sum": value, "min": value, "max": value}
+        else:
+            agg["count"] += 1
+            agg["sum"] += value  # Python ints: exact however long the run
+            agg["min"] = min(agg["min"], value)
+            agg["max"] = max(agg["max"], value)
+        if self._peak is None or value > self._peak.bytes_in_use:  # strict: the earliest peak on ties
+            self._peak = snap
+        self._high_water = snap.peak_bytes if self._high_water is None else max(self._high_water, snap.peak_bytes)
+        self.total_snapshots += 1
+        if is_spike:
+            self._spikes.append(snap)
+            self.total_spikes += 1
 
     def snapshot(self, step: int, phase: str) -> MemorySnapshot | None:
         """Read memory and record it for ``step`` in ``phase``; None (nothing read) off the ``every`` grid."""
@@ -230,45 +273,45 @@ class MemoryProfiler:
         self.source = sample.source
         snap = MemorySnapshot(step=int(step), phase=str(phase), bytes_in_use=int(sample.bytes_in_use),
                               peak_bytes=int(sample.peak_bytes), time_s=time.perf_counter() - self._started)
-        previous = self.snapshots[-SPIKE_WINDOW:]
-        if previous:
-            baseline = statistics.median(s.bytes_in_use for s in previous)
-            if snap.bytes_in_use > (1.0 + self.spike_threshold) * baseline:
-                self._spike_indices.append(len(self.snapshots))
+        previous = [s.bytes_in_use for s in islice(reversed(self.snapshots), SPIKE_WINDOW)]
+        is_spike = bool(previous) and snap.bytes_in_use > (1.0 + self.spike_threshold) * statistics.median(previous)
         self.snapshots.append(snap)
+        self._spike_flags.append(is_spike)
+        self._count(snap, is_spike)
         return snap
 
     # ------------------------------------------------------------------------------ analysis ----
     def per_phase_stats(self) -> dict[str, dict[str, float]]:
-        """phase -> {"mean", "max", "min", "count"} of ``bytes_in_use`` (bytes; count as a float)."""
-        by_phase: dict[str, list[int]] = {}
-        for snap in self.snapshots:
-            by_phase.setdefault(snap.phase, []).append(snap.bytes_in_use)
-        return {phase: {"mean": float(sum(values)) / len(values), "max": float(max(values)),
-                        "min": float(min(values)), "count": float(len(values))}
-                for phase, values in by_phase.items()}
+        """phase -> {"mean", "max", "min", "count"} of ``bytes_in_use`` (bytes; count as a float), over
+        every snapshot recorded (not only the kept ones)."""
+        return {phase: {"mean": agg["sum"] / agg["count"], "max": float(agg["max"]), "min": float(agg["min"]),
+                        "count": float(agg["count"])}
+                for phase, agg in self._phases.items()}
 
     def peak(self) -> MemorySnapshot | None:
-        """The snapshot with the largest ``bytes_in_use`` (the earliest on ties), None if none recorded.
+        """The snapshot with the largest ``bytes_in_use`` ever recorded (the earliest on ties), None if none.
 
-        The allocator's high-water mark between snapshots is in each snapshot's ``peak_bytes``."""
-        if not self.snapshots:
-            return None
-        return max(self.snapshots, key=lambda s: s.bytes_in_use)  # max() keeps the first maximum
+        The allocator's high-water mark between snapshots is in each snapshot's ``peak_bytes``
+        (:meth:`high_water_mark` is their maximum)."""
+        return self._peak
+
+    def high_water_mark(self) -> int | None:
+        """The largest ``peak_bytes`` of any snapshot recorded (bytes), None if none."""
+        return self._high_water
 
     def spikes(self) -> list[MemorySnapshot]:
-        """Snapshots flagged as spikes when they were recorded, in step order."""
-        return [self.snapshots[i] for i in self._spike_indices]
+        """The last ``max_snapshots`` snapshots flagged as spikes when recorded, in step order
+        (``total_spikes`` counts them all)."""
+        return list(self._spikes)
 
     # -------------------------------------------------------------------------------- export ----
     def to_csv(self, path) -> None:
-        """One row per snapshot: step, phase, bytes_in_use, peak_bytes, time_s, spike (0/1)."""
-        spike_set = set(self._spike_indices)
+        """One row per kept snapshot: step, phase, bytes_in_use, peak_bytes, time_s, spike (0/1)."""
         with open(path, "w", newline="") as handle:
             writer = csv.writer(handle)
             writer.writerow(_SNAPSHOT_FIELDS + ["spike"])
-            for i, snap in enumerate(self.snapshots):
-                writer.writerow([getattr(snap, name) for name in _SNAPSHOT_FIELDS] + [int(i in spike_set)])
+            for snap, is_spike in zip(self.snapshots, self._spike_flags):
+                writer.writerow([getattr(snap, name) for name in _SNAPSHOT_FIELDS] + [int(is_spike)])
 
     def to_json(self, path) -> None:
         """The :meth:`state_dict` plus per-phase statistics, as one JSON document."""
@@ -288,28 +331,28 @@ class MemoryProfiler:
         return [_snapshot_from_row(row) for row in json.loads(Path(path).read_text())["snapshots"]]
 
     def report(self) -> str:
-        """A short human-readable summary (MiB)."""
-        if not self.snapshots:
+        """A short human-readable summary (MiB) over every snapshot recorded."""
+        if not self.total_snapshots:
             return "memory: no snapshots recorded"
-        peak = self.peak()
-        high_water = max(s.peak_bytes for s in self.snapshots)
-        lines = [f"memory ({self.source or 'unknown source'}): {len(self.snapshots)} snapshots; "
+        peak = self._peak
+        kept = "" if len(self.snapshots) == self.total_snapshots else f" (last {len(self.snapshots)} kept)"
+        lines = [f"memory ({self.source or 'unknown source'}): {self.total_snapshots} snapshots{kept}; "
                  f"peak in use {peak.bytes_in_use / MIB:.1f} MiB at step {peak.step} ({peak.phase}); "
-                 f"high-water mark {high_water / MIB:.1f} MiB"]
+                 f"high-water mark {self._high_water / MIB:.1f} MiB"]
         for phase, stats in self.per_phase_stats().items():
             lines.append(f"  {phase}: mean {stats['mean'] / MIB:.1f} MiB, min {stats['min'] / MIB:.1f}, "
                          f"max {stats['max'] / MIB:.1f} ({int(stats['count'])} snapshots)")
         spikes = self.spikes()
         if spikes:
             shown = ", ".join(f"step {s.step} ({s.bytes_in_use / MIB:.1f} MiB)" for s in spikes[:5])
-            more = f" and {len(spikes) - 5} more" if len(spikes) > 5 else ""
+            more = f" and {self.total_spikes - 5} more" if self.total_spikes > 5 else ""
             lines.append(f"  spikes (> {1 + self.spike_threshold:.2f}x the recent median): {shown}{more}")
         else:
             lines.append("  no spikes")
         return "\n".join(lines)
 
     def plot(self, path) -> None:
-        """Memory in use (and the allocator high-water mark) over steps, points coloured by phase (PNG etc.)."""
+        """Memory in use (and the allocator high-water mark) over the kept steps, points coloured by phase (PNG etc.)."""
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
 
@@ -319,41 +362,69 @@ class MemoryProfiler:
         figure = Figure(figsize=(9, 4))
         FigureCanvasAgg(figure)
         axes = figure.add_subplot(1, 1, 1)
-        steps = [s.step for s in self.snapshots]
-        axes.plot(steps, [s.bytes_in_use / MIB for s in self.snapshots], color="#555555", linewidth=0.8,
+        snapshots = list(self.snapshots)
+        steps = [s.step for s in snapshots]
+        axes.plot(steps, [s.bytes_in_use / MIB for s in snapshots], color="#555555", linewidth=0.8,
                   label="in use")
-        axes.plot(steps, [s.peak_bytes / MIB for s in self.snapshots], color="#999999", linewidth=0.8,
+        axes.plot(steps, [s.peak_bytes / MIB for s in snapshots], color="#999999", linewidth=0.8,
                   linestyle="--", label="high-water mark")
         fallback = iter(["#9e9ac8", "#fb6a4a", "#bf812d", "#35978f", "#de77ae"] * 4)
-        for phase in dict.fromkeys(s.phase for s in self.snapshots):
+        for phase in dict.fromkeys(s.phase for s in snapshots):
             # PHASE_COLOURS are light background shades: a dark edge keeps the points visible on white.
             colour = PHASE_COLOURS.get(phase) or next(fallback)
-            members = [s for s in self.snapshots if s.phase == phase]
+            members = [s for s in snapshots if s.phase == phase]
             axes.scatter([s.step for s in members], [s.bytes_in_use / MIB for s in members], s=14, color=colour,
                          edgecolors="#333333", linewidths=0.4, label=phase, zorder=3)
-        spikes = self.spikes()
+        spikes = [s for s, is_spike in zip(snapshots, self._spike_flags) if is_spike]
         if spikes:
             axes.scatter([s.step for s in spikes], [s.bytes_in_use / MIB for s in spikes], marker="x", s=40,
                          color="#cb181d", label="spike", zorder=4)
         axes.set_xlabel("step")
         axes.set_ylabel("memory (MiB)")
-        axes.set_title(f"memory over steps ({self.source or 'unknown source'})")
-        if self.snapshots:
+        kept = "" if len(snapshots) == self.total_snapshots else f", last {len(snapshots)} of {self.total_snapshots}"
+        axes.set_title(f"memory over steps ({self.source or 'unknown source'}{kept})")
+        if snapshots:
             axes.legend(loc="best", fontsize="small")
         figure.tight_layout()
         figure.savefig(path)
 
     # ---------------------------------------------------------------------------- checkpoint ----
     def state_dict(self) -> dict:
-        return {"snapshots": [asdict(s) for s in self.snapshots], "spike_indices": list(self._spike_indices),
-                "spike_threshold": self.spike_threshold, "every": self.every, "source": self.source}
+        """JSON-safe state: the kept snapshots and spikes, and the running aggregates over all of them."""
+        return {"snapshots": [asdict(s) for s in self.snapshots],
+                "spike_indices": [i for i, is_spike in enumerate(self._spike_flags) if is_spike],
+                "spike_threshold": self.spike_threshold, "every": self.every, "source": self.source,
+                "max_snapshots": self.max_snapshots, "spikes": [asdict(s) for s in self._spikes],
+                "phase_stats": {phase: dict(agg) for phase, agg in self._phases.items()},
+                "peak": None if self._peak is None else asdict(self._peak), "high_water": self._high_water,
+                "total_snapshots": self.total_snapshots, "total_spikes": self.total_spikes}
 
     def load_state_dict(self, state: dict) -> None:
-        self.snapshots = [_snapshot_from_row(row) for row in state["snapshots"]]
-        self._spike_indices = [int(i) for i in state.get("spike_indices", [])]
+        """Restore :meth:`state_dict` output; a state from before the aggregates existed (every
+        snapshot in its list) is folded in snapshot by snapshot. Settings stay those of the
+        constructor (a resumed run may deliberately sample differently); the ring keeps the last
+        ``max_snapshots`` of the saved snapshots."""
+        rows = [_snapshot_from_row(row) for row in state["snapshots"]]
+        spike_indices = {int(i) for i in state.get("spike_indices", [])}
+        flags = [i in spike_indices for i in range(len(rows))]
+        self._reset()
         self.source = state.get("source")
-        # Settings stay those of the constructor: a resumed run may deliberately sample differently.
-        elapsed = self.snapshots[-1].time_s if self.snapshots else 0.0
+        if "phase_stats" in state:
+            self.snapshots.extend(rows)
+            self._spike_flags.extend(flags)
+            self._spikes.extend(_snapshot_from_row(row) for row in state["spikes"])
+            self._phases = {str(phase): {key: int(agg[key]) for key in ("count", "sum", "min", "max")}
+                            for phase, agg in state["phase_stats"].items()}
+            self._peak = None if state["peak"] is None else _snapshot_from_row(state["peak"])
+            self._high_water = None if state["high_water"] is None else int(state["high_water"])
+            self.total_snapshots = int(state["total_snapshots"])
+            self.total_spikes = int(state["total_spikes"])
+        else:
+            for snap, is_spike in zip(rows, flags):
+                self.snapshots.append(snap)
+                self._spike_flags.append(is_spike)
+                self._count(snap, is_spike)
+        elapsed = rows[-1].time_s if rows else 0.0
         self._started = time.perf_counter() - elapsed  # time_s keeps increasing across a resume
 
 

@@ -83,6 +83,11 @@ def run_statistics(trainer: Any) -> dict[str, Any]:
         required_worth=trainer.required_worth(),
         prediction_overhead=None if trainer.cost is None else trainer.cost.overhead,
     )
+    if trainer.nowcast is not None:  # PREDICT as a nowcast jump
+        records = trainer.nowcast.records
+        s.update(nowcast_jumps=len(records), nowcast_kept=sum(r.kept is True for r in records),
+                 nowcast_rolled_back=sum(r.kept is False for r in records),
+                 nowcaster_seconds=trainer.nowcast.nowcaster_seconds)
     return s
 
 

@@ -176,6 +176,7 @@ def trainer_registry(trainer: Any) -> StateRegistry:
     reg.register_component("worth", lambda: t.worth)
     reg.register("forecast", lambda: t.forecaster.forecast, lambda v: setattr(t.forecaster, "forecast", v))
     reg.register_component("predict_phase", lambda: t.predict_phase)
+    reg.register_component("nowcast", lambda: t.nowcast)  # PREDICT as a nowcast jump (None when off)
     reg.register("trainer", lambda: {"step_count": t.step_count, "last_update_cosine": t._last_update_cosine},
                  lambda v: _load_loop_state(t, v))
     reg.register("rng", checkpoint.capture_rng, lambda v: None)  # restored by load_state_dict, per rank

@@ -25,6 +25,7 @@ real updates; predicted steps do not advance it.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import warnings
@@ -101,14 +102,17 @@ class HybridTrainer:
                                                       "snapshot_dir")})
         self.events = Events(callbacks)  # callbacks checked before any file is opened
 
-        self.controller = PhaseController(config)
+        # PREDICT as a nowcast jump replaces the predicted-step phases: the phase machine and the
+        # state forecaster then run as with predict=False (no recording, no dynamics model).
+        steps_config = dataclasses.replace(config, predict=False) if config.predictor == "nowcast" else config
+        self.controller = PhaseController(steps_config)
         self.loss_trend = LossTrend()
         self.stats = RunStatistics()
         self.scaler = (torch.amp.GradScaler(self.device.type)
                        if config.autocast_dtype == "float16" else None)
         self.worth = WorthGate(config, self.device, reduce=self.ranks.mean_float)
         self.guard = StepGuard(config, optimizer, self.scaler, self.stats, self.device)
-        self.forecaster = StateForecaster(config, self.device, self.controller, self.loss_trend, self.worth,
+        self.forecaster = StateForecaster(steps_config, self.device, self.controller, self.loss_trend, self.worth,
                                           agree=self.ranks.from_rank0)
         self.predict_phase = PredictPhase(config, self.controller, self.stats, self.loss_trend, self.forecaster,
                                           self._verification_loss)
@@ -136,6 +140,7 @@ class HybridTrainer:
         self.step_count = 0
         self._last_update_cosine = float("nan")
         self._emergency_error: str | None = None  # the write error of this step's emergency checkpoint
+        self.nowcast = self._make_nowcast(config)
         self.registry = trainer_registry(self)
 
     # Collaborators' parts that users, benchmarks and tests read from the trainer.
@@ -384,11 +389,32 @@ class HybridTrainer:
         rolled_back = guard.accept(self.step_count, self.stats.optimizer_steps, total, grad_norm, report.severity)
         if rolled_back:  # a non-finite state found at the snapshot: back to the good state
             self.controller.force_full()
+        if self.nowcast is not None:  # PREDICT as a nowcast jump: snapshot, jump or verdict when due
+            if self.nowcast.after_step(self.step_count, total) in ("jump", "rolled_back"):
+                # A far jump first makes the loss worse by design and is judged by its own verdict;
+                # the divergence monitor's window describes the trajectory before it, and would
+                # take the jump's transient for a divergence (and roll the weights back itself).
+                guard.monitor.reset_window()
         if record:
             worth.time("core", worth.clock("core") - started - worth.machinery_s)
         return StepResult(step=self.step_count, phase=phase.value, loss=total, backward_done=True,
                           divergence=report.severity.name, grad_norm=grad_norm, lr=lr, lrs=lrs,
                           rolled_back=rolled_back)
+
+    def _make_nowcast(self, config: HybridConfig):
+        """The nowcast-jump controller when ``config.predictor == "nowcast"``, else None."""
+        if config.predictor != "nowcast":
+            return None
+        from .nowcast_jump import NINO_SCHEDULE, NowcastJump
+        from .nowcaster import load_nowcaster
+
+        if self.ranks.active:
+            raise ValueError("predictor: 'nowcast' is not supported under DistributedDataParallel yet")
+        return NowcastJump(unwrap(self.model), self.optimizer, caster=load_nowcaster(config.nowcast_weights),
+                           spacing=config.nowcast_spacing, call_every=config.nowcast_call_every,
+                           recovery_steps=config.nowcast_recovery_steps, trend_steps=config.nowcast_trend_steps,
+                           moments=config.nowcast_moments, margin=config.nowcast_margin, scheduler=self.scheduler,
+                           schedule=tuple(min(k, config.nowcast_max_horizon) for k in NINO_SCHEDULE))
 
     def _verification_loss(self, batch: Any) -> tuple[float, int]:
         """Mean loss of ``batch`` without gradients, averaged over ranks (the verdict must be the
@@ -443,6 +469,8 @@ class HybridTrainer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("version") == 1:
             state = upgrade_v1(state)
+        if "nowcast" not in state:  # saved before nowcast jumps existed: none was in flight
+            state = dict(state, nowcast=None)
         if state.get("version") != CHECKPOINT_VERSION:
             raise ValueError(f"checkpoint version {state.get('version')!r} is not {CHECKPOINT_VERSION} "
                              f"(nor 1, which still loads)")

@@ -115,6 +115,15 @@ def test_parameters_with_grad_and_empty_tensors(device):
     assert layer.weight.requires_grad and layer.weight.grad is None
 
 
+def test_alpha_accepts_real_numbers_of_any_kind(device):
+    import numpy as np
+    params = [torch.zeros(3, device=device), torch.zeros(5, device=device)]
+    deltas = [torch.ones(3, device=device), torch.ones(5, device=device)]
+    for alpha in (1, np.float32(1.0), [np.float64(1.0), 1], (torch.tensor(1.0), 1.0)):
+        hk.apply_delta_(params, deltas, alpha)
+    assert torch.equal(params[0], torch.full((3,), 4.0, device=device))
+
+
 def test_empty_list_is_a_no_op():
     hk.apply_delta_([], [])
 
@@ -127,6 +136,13 @@ def test_empty_list_is_a_no_op():
     (lambda p, d: hk.apply_delta_(p, [d[0], d[1].to("meta")]), r"deltas\[1\] is on meta"),
     (lambda p, d: hk.apply_delta_(p, d, [1.0]), "alpha has 1 values but params has 2"),
     (lambda p, d: hk.apply_delta_(p, d, float("nan")), r"alpha\[0\] is nan"),
+    (lambda p, d: hk.apply_delta_(p, d, "1"), r"alpha must be a float, a sequence of floats or a tensor, got str"),
+    (lambda p, d: hk.apply_delta_(p, d, "12"), r"alpha must be a float, a sequence of floats or a tensor, got str"),
+    (lambda p, d: hk.apply_delta_(p, d, True), r"alpha must be a float, a sequence of floats or a tensor, got bool"),
+    (lambda p, d: hk.apply_delta_(p, d, [1.0, "1"]), r"alpha\[1\] must be a real number, got str '1'"),
+    (lambda p, d: hk.apply_delta_(p, d, [False, 1.0]), r"alpha\[0\] must be a real number, got bool"),
+    (lambda p, d: hk.apply_delta_(p, d, torch.tensor([True, False])), r"alpha tensor must hold real numbers"),
+    (lambda p, d: hk.DeltaApplier(p, d)("1"), r"alpha must be a float, a sequence of floats or a tensor, got str"),
     (lambda p, d: hk.apply_delta_([p[0], p[0]], d[:1] * 2), r"params\[1\] and params\[0\] share storage"),
     (lambda p, d: hk.apply_delta_(p, d, out_norms=torch.zeros(3)), r"out_norms must have shape \(2,\)"),
     (lambda p, d: hk.apply_delta_(p, d, scales=[torch.ones(()), torch.ones(())]), r"deltas\[0\] must be int8"),
@@ -218,3 +234,75 @@ def test_applier_checks_at_construction_and_per_call():
     with pytest.raises(ValueError, match=r"out_norms must have shape \(2,\)"):
         applier(1.0, out_norms=torch.zeros(3))
     assert torch.equal(params[0], torch.zeros(3))  # nothing applied before the errors
+
+
+# --------------------------------------------------------------------------------------------
+# Autograd sees the in-place write: a graph that saved the old values raises at backward
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+@pytest.mark.parametrize("via", ["apply_delta_", "DeltaApplier"])
+def test_saved_tensor_modified_by_apply_delta_raises_at_backward(backend, via, device, monkeypatch):
+    """The kernel writes through raw pointers; without a version bump autograd would return the
+    gradient of the new values (2 * w_new here) through a graph built on the old ones."""
+    weight = torch.nn.Parameter(torch.randn(37, device=device))
+    plain = torch.randn(5, device=device)  # a tensor not requiring grad, saved by the product below
+    loss = (weight * weight).sum() + (plain.requires_grad_(False) * weight[:5]).sum()
+    versions = (weight._version, plain._version)
+    monkeypatch.setenv("HYBRID_KERNELS_BACKEND", backend)
+    params, deltas = [weight, plain], [torch.ones(37, device=device), torch.ones(5, device=device)]
+    if via == "apply_delta_":
+        hk.apply_delta_(params, deltas, 0.5)
+    else:
+        hk.DeltaApplier(params, deltas)(0.5)
+    assert hk.last_backend("apply_delta_") == backend
+    assert weight._version > versions[0] and plain._version > versions[1]  # every written tensor
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+# --------------------------------------------------------------------------------------------
+# DeltaApplier refuses tensors reallocated or resized after it was built
+# --------------------------------------------------------------------------------------------
+def _rebind_param(params, deltas, scales):
+    params[1].data = torch.randn(300, device=params[1].device)  # what module.to(dtype) also does
+
+
+def _grow_delta(params, deltas, scales):
+    deltas[2].resize_(4096)  # larger: new storage, the old one is freed
+
+
+def _shrink_param_same_address(params, deltas, scales):
+    with torch.no_grad():
+        params[0].set_(params[0].untyped_storage(), 0, (50,))  # same address, fewer elements
+
+
+def _grow_scales(params, deltas, scales):
+    scales[1].resize_(64)
+
+
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+@pytest.mark.parametrize("change, name", [(_rebind_param, r"params\[1\]"), (_grow_delta, r"deltas\[2\]"),
+                                          (_shrink_param_same_address, r"params\[0\]"),
+                                          (_grow_scales, r"scales\[1\]")])
+def test_applier_refuses_tensors_changed_after_construction(change, name, backend, device, monkeypatch):
+    params = [torch.nn.Parameter(torch.randn(n, device=device)) for n in (100, 300, 2000)]
+    if change is _grow_scales:
+        codes, scales = zip(*(hk.quantize_int8(torch.randn(n, device=device), "block", 32) for n in (100, 300, 2000)))
+        deltas, scales = list(codes), list(scales)
+        applier = hk.DeltaApplier(params, deltas, scales=scales, granularity="block", block_size=32)
+    else:
+        deltas, scales = [torch.randn(n, device=device) for n in (100, 300, 2000)], None
+        applier = hk.DeltaApplier(params, deltas)
+    applier(0.5)  # fine while nothing changed
+    change(params, deltas, scales)
+    before = [p.detach().clone() for p in params]
+    monkeypatch.setenv("HYBRID_KERNELS_BACKEND", backend)
+    with pytest.raises(RuntimeError, match=name + r" changed since the applier was built .*new DeltaApplier"):
+        applier(0.5)
+    assert all(torch.equal(p, b) for p, b in zip(params, before))  # nothing written
+    # A fresh applier over the current tensors works (when the shapes still match).
+    if change is _grow_scales or change is _grow_delta:
+        return
+    fresh_deltas = [torch.ones_like(p) for p in params]
+    hk.DeltaApplier(params, fresh_deltas)(1.0)
+    assert all(torch.equal(p, b + 1.0) for p, b in zip(params, before))

@@ -239,6 +239,23 @@ def test_gradient_for_some_inputs_only():
     torch.testing.assert_close(dv.double(), ref_dv, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+@pytest.mark.parametrize("n_q_heads, n_kv_heads", [(0, 0), (0, 1)])
+@pytest.mark.parametrize("causal, dtype", [(False, F32), (True, F16)])
+def test_no_query_heads_gives_empty_output_like_sdpa(n_q_heads, n_kv_heads, causal, dtype, backend, monkeypatch):
+    """Empty in, empty out (as SDPA): zero query heads, with zero or some kv heads."""
+    monkeypatch.setenv("HYBRID_KERNELS_BACKEND", backend)
+    q, k, v = _inputs(2, n_q_heads, n_kv_heads, 5, 7, 16, dtype)
+    out = flash_attention(q, k, v, causal=causal)
+    assert hybrid_kernels.last_backend("flash_attention") == backend
+    assert out.shape == (2, n_q_heads, 5, 16) and out.dtype == dtype
+    out.sum().backward()
+    assert q.grad.shape == q.shape
+    assert torch.equal(k.grad, torch.zeros_like(k)) and torch.equal(v.grad, torch.zeros_like(v))
+    with torch.no_grad():
+        assert flash_attention(q, k, v, causal=causal).shape == q.shape  # the inference path too
+
+
 def test_no_queries_gives_empty_output_and_zero_key_gradients():
     q, k, v = _inputs(2, 2, 1, 0, 17, 16, F32)
     out = flash_attention(q, k, v)
@@ -304,6 +321,8 @@ def _bad(q=(1, 2, 8, 16), k=(1, 2, 8, 16), v=(1, 2, 8, 16), dtype=F32, k_dtype=N
                  id="head-dim-mismatch"),
     pytest.param(_bad(q=(1, 3, 8, 16)), {}, ValueError, r"head count \(3\) must be a multiple of .* \(2\)",
                  id="heads-not-divisible"),
+    pytest.param(_bad(k=(1, 0, 8, 16), v=(1, 0, 8, 16)), {}, ValueError,
+                 r"k and v have no heads \(dim 1 is 0\) but q has 2", id="no-kv-heads"),
     pytest.param(_bad(v=(1, 2, 9, 16)), {}, ValueError, r"k and v must have the same shape", id="k-v-shape"),
     pytest.param(_bad(k=(2, 2, 8, 16), v=(2, 2, 8, 16)), {}, ValueError, r"k has batch size 2 but q has batch size 1",
                  id="batch"),

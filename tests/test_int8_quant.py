@@ -159,10 +159,26 @@ def test_non_contiguous_input(device):
     assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
 
 
-def test_empty_input(device):
-    q, s = hk.quantize_int8(torch.empty(0, 5, device=device), "row")
-    assert q.shape == (0, 5) and s.shape == (0,)
-    assert hk.dequantize_int8(q, s, "row").shape == (0, 5)
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+@pytest.mark.parametrize("shape", [(0,), (0, 5), (5, 0), (3, 0), (4, 0, 3), (2, 3, 0)])
+def test_empty_input_gives_empty_codes_and_zero_scales_of_the_usual_shape(shape, granularity, backend, device,
+                                                                          monkeypatch):
+    """Empty in, empty out: rows of length 0 still get one scale each (0, as for an all-zero
+    group), so the codes, scales and dequantized tensor keep the shapes every caller relies on."""
+    monkeypatch.setenv("HYBRID_KERNELS_BACKEND", backend)
+    x = torch.empty(shape, device=device)
+    q, s = hk.quantize_int8(x, granularity, block_size=4)
+    assert hk.last_backend("quantize_int8") == backend
+    expected_scales = {"tensor": (), "row": shape[:-1], "block": (0,)}[granularity]
+    assert q.shape == shape and q.dtype == torch.int8
+    assert s.shape == expected_scales and s.dtype == torch.float32 and not s.any()
+    out = hk.dequantize_int8(q, s, granularity, 4, dtype=torch.float16)
+    assert out.shape == shape and out.dtype == torch.float16
+    param = torch.empty(shape, device=device)
+    hk.apply_delta_([param, torch.zeros(3, device=device)], [q, torch.ones(3, dtype=torch.int8, device=device)],
+                    0.5, scales=[s, hk.quantize_int8(torch.ones(3, device=device), granularity, 4)[1]],
+                    granularity=granularity, block_size=4)
 
 
 @pytest.mark.parametrize("call, match", [

@@ -80,7 +80,9 @@ def test_first_snapshot_is_never_a_spike_and_threshold_matters():
 @pytest.mark.parametrize("kwargs, name", [({"spike_threshold": 0}, "spike_threshold"),
                                           ({"spike_threshold": -0.1}, "spike_threshold"),
                                           ({"spike_threshold": float("nan")}, "spike_threshold"),
-                                          ({"every": 0}, "every"), ({"every": 1.5}, "every")])
+                                          ({"every": 0}, "every"), ({"every": 1.5}, "every"),
+                                          ({"max_snapshots": 19}, "max_snapshots"),
+                                          ({"max_snapshots": 100.0}, "max_snapshots")])
 def test_profiler_validation_names_the_argument(kwargs, name):
     with pytest.raises(ValueError, match=name):
         MemoryProfiler(reader=ScriptedReader([1]), **kwargs)
@@ -128,6 +130,101 @@ def test_plot_writes_a_png(tmp_path):
     path = tmp_path / "memory.png"
     profiler.plot(path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 1000
+
+
+def _reference_summary(values, phases, spike_threshold=0.25):
+    """What an unbounded profiler reports: statistics, peak and spikes from the whole list."""
+    import statistics
+    spikes = [i for i in range(1, len(values))
+              if values[i] > (1 + spike_threshold) * statistics.median(values[max(0, i - 20):i])]
+    by_phase = {}
+    for value, phase in zip(values, phases):
+        by_phase.setdefault(phase, []).append(value)
+    stats = {phase: {"mean": sum(v) / len(v), "max": float(max(v)), "min": float(min(v)), "count": float(len(v))}
+             for phase, v in by_phase.items()}
+    peak_step = max(range(len(values)), key=lambda i: values[i])  # the first maximum
+    return stats, peak_step, spikes
+
+
+def _long_run(n, seed=0):
+    """n readings with a slow drift, noise, rare spikes and an early all-time peak."""
+    import random
+    rng = random.Random(seed)
+    values = [int(1e6 + 1e3 * (i % 500) + rng.randrange(1000) + (6e6 if rng.random() < 0.03 else 0)) for i in range(n)]
+    values[7] = 10 ** 8  # the peak, long dropped from any ring
+    phases = [("WARMUP", "FULL", "PREDICT", "CORRECT")[min(3, i // 40 % 5)] for i in range(n)]
+    return values, phases
+
+
+def test_long_run_keeps_a_ring_and_exact_aggregates():
+    values, phases = _long_run(3000)
+    profiler = profile(values, phases, max_snapshots=50)
+    stats, peak_step, spikes = _reference_summary(values, phases)
+    assert len(profiler.snapshots) == 50 and [s.step for s in profiler.snapshots] == list(range(2950, 3000))
+    assert profiler.total_snapshots == 3000
+    assert profiler.per_phase_stats() == stats  # integer sums: exactly the unbounded figures
+    assert profiler.peak().step == peak_step == 7 and profiler.peak().bytes_in_use == 10 ** 8
+    assert profiler.high_water_mark() == 10 ** 8 + 1
+    assert profiler.total_spikes == len(spikes) > 50  # the ring keeps enough history for the same baseline
+    assert [s.step for s in profiler.spikes()] == spikes[-50:]
+    text = profiler.report()
+    assert "3000 snapshots (last 50 kept)" in text and "95.4 MiB at step 7 (WARMUP)" in text
+    assert f"and {len(spikes) - 5} more" in text
+
+
+def test_memory_stays_constant_on_a_long_run():
+    import tracemalloc
+    values, phases = _long_run(6000)
+    profiler = MemoryProfiler(reader=ScriptedReader(values), max_snapshots=100)
+    tracemalloc.start()
+    try:
+        for step in range(1000):
+            profiler.snapshot(step, phases[step])
+        after_1000 = tracemalloc.get_traced_memory()[0]
+        for step in range(1000, 6000):
+            profiler.snapshot(step, phases[step])
+        after_6000 = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert after_6000 - after_1000 < 16 * 1024, (after_1000, after_6000)  # 5000 more snapshots: ~1.2 MB unbounded
+
+
+def test_default_ring_is_bounded():
+    profiler = MemoryProfiler(reader=ScriptedReader([5]))
+    assert profiler.max_snapshots == memory.DEFAULT_MAX_SNAPSHOTS == 10_000
+    for step in range(memory.DEFAULT_MAX_SNAPSHOTS + 10):
+        profiler.snapshot(step, "FULL")
+    assert len(profiler.snapshots) == 10_000 and profiler.snapshots[0].step == 10
+    assert profiler.per_phase_stats()["FULL"]["count"] == 10_010.0
+
+
+def test_csv_and_state_of_a_long_run_round_trip(tmp_path):
+    values, phases = _long_run(500)
+    profiler = profile(values, phases, max_snapshots=40)
+    profiler.to_csv(tmp_path / "memory.csv")
+    rows = MemoryProfiler.read_csv(tmp_path / "memory.csv")
+    assert [s.step for s in rows] == list(range(460, 500))
+    flagged = [int(line.rsplit(",", 1)[1]) for line in (tmp_path / "memory.csv").read_text().splitlines()[1:]]
+    _, _, spikes = _reference_summary(values, phases)
+    assert [s.step for s, f in zip(rows, flagged) if f] == [i for i in spikes if i >= 460]
+    resumed = MemoryProfiler(reader=ScriptedReader([10 ** 6]), max_snapshots=40)
+    resumed.load_state_dict(json.loads(json.dumps(profiler.state_dict())))
+    assert resumed.per_phase_stats() == profiler.per_phase_stats() and resumed.peak() == profiler.peak()
+    assert (resumed.total_snapshots, resumed.total_spikes, resumed.spikes()) == \
+           (profiler.total_snapshots, profiler.total_spikes, profiler.spikes())
+    assert list(resumed.snapshots) == list(profiler.snapshots) and resumed.report() == profiler.report()
+
+
+def test_state_written_before_the_ring_still_loads():
+    """A state holding every snapshot and no aggregates (the earlier format) is folded in."""
+    old_state = {"snapshots": [{"step": i, "phase": "FULL", "bytes_in_use": v, "peak_bytes": v, "time_s": 0.1 * i}
+                               for i, v in enumerate([100, 100, 500, 100] * 10)],
+                 "spike_indices": [2], "spike_threshold": 0.25, "every": 1, "source": "fake"}
+    resumed = MemoryProfiler(reader=ScriptedReader([100]), max_snapshots=20)
+    resumed.load_state_dict(old_state)
+    assert len(resumed.snapshots) == 20 and resumed.total_snapshots == 40
+    assert resumed.per_phase_stats()["FULL"] == {"mean": 200.0, "max": 500.0, "min": 100.0, "count": 40.0}
+    assert resumed.peak().step == 2 and [s.step for s in resumed.spikes()] == [2]
 
 
 # ======================================================================================= readers ====

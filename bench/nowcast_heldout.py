@@ -1,0 +1,393 @@
+"""Learned nowcasting on held-out tasks: the plain loop with a nowcast jump every ``call_every``
+steps, against constant-rate Adam and a tuned AdamW with warm-up and cosine decay.
+
+The tasks are outside the nowcaster's meta-training family (:func:`bench.nowcaster_family.source_specs`):
+other widths and depths (a 16/32/32 CNN, a 512-256 MLP on Fashion-MNIST, a 48-wide 2-layer
+char-GPT on the King James Bible), and runs of ``--steps`` steps.
+
+Arms (every arm sees the same initialisation and batch stream for a seed):
+
+* ``adam``: Adam at a constant rate (the task's nominal rate; NiNo's baseline).
+* ``cosine``: AdamW (weight decay 0.01), 5% linear warm-up then cosine decay to zero, its rate the
+  best final validation loss over the task's grid on a separate tuning seed.
+* ``adam+nc``, ``cosine+nc``: the same with a jump every ``call_every`` steps: the nowcaster reads
+  the last 5 snapshots (``spacing`` steps apart), predicts the displacement ``k`` spacings ahead
+  and adds it to the weights. ``k`` follows NiNo's shrinking schedule (40, 33, 26, 21, 16, 11, 8,
+  5, 3, 1 over the calls). Adam's moments are kept (``keep``) or zeroed with its step count
+  (``reset``). ``cosine+nc:judged`` runs the package's :class:`~hybrid_trainer.nowcast_jump.NowcastJump`:
+  each jump judged after ``call_every / 3`` steps against the pre-jump loss trend and rolled back
+  exactly when it does not beat it (``:judged:cap16``: with capped horizons, the trainer's default). ``:cap16`` caps the horizon at 16 spacings (the longest at
+  which the meta-trained nowcaster beat predicting no movement on its validation runs). The learning-rate schedule is not advanced by a jump. Snapshots restart after a
+  jump, so every call sees a trajectory of real steps from the jumped weights.
+
+Measured: validation loss and accuracy every ``eval_every`` steps (and right before and after
+each jump), the steps and the training wall-clock (nowcaster calls included, evaluation excluded)
+to reach the tuned cosine run's validation loss at 50%, 75% and 100% of its steps, final loss.
+
+    OMP_NUM_THREADS=1 flock /tmp/cpu.lock python -m bench.nowcast_heldout --seeds 0
+    python -m bench.nowcast_heldout --quick      # a smoke run in seconds
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench import nowcaster_family as fam
+from bench.nowcaster_meta import ROOT, git_commit
+from hybrid_trainer import nowcaster as nc
+from hybrid_trainer.nowcast_jump import NowcastJump
+
+SCHEDULE = (40, 33, 26, 21, 16, 11, 8, 5, 3, 1)  # NiNo's horizons over its 10 calls
+
+HELDOUT = {
+    "cnn": dict(arch="cnn", data="fashion", channels=[16, 32, 32], batch=128, nominal_lr=6e-3,
+                grid=[3e-3, 6e-3, 1.2e-2]),
+    "mlp": dict(arch="mlp", data="fashion", hidden=[512, 256], batch=128, nominal_lr=1e-3,
+                grid=[5e-4, 1e-3, 2e-3]),
+    "gpt": dict(arch="gpt", data="kjv", d_model=48, n_heads=3, n_layers=2, context=64, batch=32,
+                nominal_lr=3e-3, grid=[2e-3, 4e-3, 8e-3]),
+}
+QUICK = {"mlp": dict(arch="mlp", data="mnist5k", hidden=[48], batch=64, nominal_lr=2e-3, grid=[2e-3, 4e-3])}
+
+
+class Jumper:
+    """Keeps the last ``context + 1`` flat snapshots and applies nowcast jumps to ``params``."""
+
+    def __init__(self, caster: nc.Nowcaster, model: torch.nn.Module, spacing: int):
+        self.caster, self.spacing = caster, spacing
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.layout = nc.describe_model(model)
+        self.snaps: list[torch.Tensor] = []
+        self.seconds = 0.0
+
+    def snapshot(self) -> None:
+        self.snaps.append(torch.cat([p.detach().reshape(-1) for p in self.params]).clone())
+        self.snaps = self.snaps[-(self.caster.context + 1):]
+
+    @property
+    def ready(self) -> bool:
+        return len(self.snaps) == self.caster.context + 1
+
+    @torch.no_grad()
+    def jump(self, horizon: float) -> float:
+        """Add the predicted displacement ``horizon`` spacings ahead; returns its norm relative
+        to the weights'. Non-finite predictions are refused (weights untouched, returns nan)."""
+        t0 = time.perf_counter()
+        delta = self.caster.predict(torch.stack(self.snaps), self.layout, horizon)
+        ok = bool(torch.isfinite(delta).all())
+        if ok:
+            offset = 0
+            for p in self.params:
+                p.add_(delta[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+        self.snaps = []
+        self.seconds += time.perf_counter() - t0
+        return float(delta.norm() / self.snaps_norm()) if ok else math.nan
+
+    def snaps_norm(self) -> float:
+        return float(torch.cat([p.detach().reshape(-1) for p in self.params]).norm().clamp_min(1e-12))
+
+
+def run_arm(spec: dict[str, Any], lr: float, cosine: bool, caster: nc.Nowcaster | None, moments: str,
+            steps: int, spacing: int, call_every: int, eval_every: int, cap: int | None = None) -> dict[str, Any]:
+    horizons = tuple(min(k, cap) for k in SCHEDULE) if cap else SCHEDULE
+    spec = dict(spec, opt="adamw" if cosine else "adam", cosine=cosine, lr=lr, steps=steps)
+    model = fam.make_model(spec)
+    opt, schedule = fam.make_optimizer(spec, model)
+    loss_fn, stream, evaluate = fam.loss_fn(spec), fam.batches(spec), fam.validation(spec)
+    judged = None
+    if caster is not None and moments == "judged":
+        judged = NowcastJump(model, opt, caster=caster, spacing=spacing, call_every=call_every,
+                             recovery_steps=call_every // 3, trend_steps=call_every // 3, schedule=horizons)
+        caster = None
+    jumper = Jumper(caster, model, spacing) if caster is not None else None
+    curve, jumps = [], []
+    train_s = 0.0
+    calls = 0
+    for step in range(steps + 1):
+        if jumper is not None:
+            if step > 0 and step % call_every == 0 and step < steps and jumper.ready and calls < len(horizons):
+                pre = evaluate(model)
+                k = horizons[calls]
+                t0 = time.perf_counter()
+                rel = jumper.jump(k)
+                if moments == "reset":
+                    opt.state.clear()
+                train_s += time.perf_counter() - t0
+                calls += 1
+                post = evaluate(model)
+                jumps.append(dict(step=step, horizon=k, rel_norm=rel, pre_loss=pre[0], post_loss=post[0],
+                                  pre_acc=pre[1], post_acc=post[1]))
+                jumper.snapshot()  # the first snapshot of the new trajectory
+            elif step % spacing == 0:
+                jumper.snapshot()
+        if step % eval_every == 0:
+            loss, acc = evaluate(model)
+            curve.append(dict(step=step, loss=loss, acc=acc, train_s=train_s))
+        if step == steps:
+            break
+        t0 = time.perf_counter()
+        for group in opt.param_groups:
+            group["lr"] = schedule(step)
+        loss = loss_fn(model, next(stream))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if judged is not None:
+            event = judged.after_step(step, loss.item())
+            if event is not None:
+                post = evaluate(model)
+                jumps.append(dict(step=step + 1, event=event, post_loss=post[0], post_acc=post[1]))
+        train_s += time.perf_counter() - t0
+    if judged is not None:
+        jumper = judged
+        records = [dict(r.__dict__) for r in judged.records]
+        for j, r in zip([j for j in jumps if j["event"] == "jump"], records):
+            j.update(horizon=r["horizon"], rel_norm=r["rel_norm"], kept=r["kept"])
+    final = curve[-1]
+    return dict(lr=lr, curve=curve, jumps=jumps, final_loss=final["loss"], final_acc=final["acc"],
+                best_loss=min(c["loss"] for c in curve), train_s=train_s,
+                nowcaster_s=(jumper.nowcaster_seconds if isinstance(jumper, NowcastJump) else jumper.seconds)
+                if jumper is not None else 0.0)
+
+
+def call_cost(casters: dict[str, nc.Nowcaster], specs: dict[str, dict[str, Any]], repeats: int = 3) -> dict[str, Any]:
+    """Seconds per nowcaster call (best of ``repeats``; features, model and interpolation), on
+    each task's model and on a 1.07M-parameter MLP (784-1024-256-10), and one real training
+    step of each task for scale."""
+    models = {name: fam.make_model(dict(spec, seed=0)) for name, spec in specs.items()}
+    torch.manual_seed(0)
+    models["mlp-1.07M"] = torch.nn.Sequential(torch.nn.Linear(784, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 256),
+                                              torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    out: dict[str, Any] = {}
+    for name, model in models.items():
+        layout = nc.describe_model(model)
+        w = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        window = w + torch.randn(5, w.numel()).cumsum(0) * 1e-3
+        row = dict(params=layout.total)
+        for variant, caster in casters.items():
+            best = math.inf
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                caster.predict(window, layout, 8)
+                best = min(best, time.perf_counter() - t0)
+            row[f"{variant}_s"] = best
+        if name in specs:
+            spec = dict(specs[name], seed=0, opt="adam", lr=1e-3, steps=10)
+            opt, _ = fam.make_optimizer(spec, model)
+            stream, loss_fn = fam.batches(spec), fam.loss_fn(spec)
+            best = math.inf
+            for _ in range(repeats + 2):
+                t0 = time.perf_counter()
+                loss = loss_fn(model, next(stream))
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                best = min(best, time.perf_counter() - t0)
+            row["train_step_s"] = best
+        out[name] = row
+    return out
+
+
+def first_reach(curve: list[dict[str, Any]], target: float) -> tuple[int | None, float | None]:
+    for c in curve:
+        if c["loss"] <= target:
+            return c["step"], c["train_s"]
+    return None, None
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.nowcast_heldout", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tasks", nargs="*", default=list(HELDOUT))
+    parser.add_argument("--seeds", nargs="*", type=int, default=[0, 1, 2])
+    parser.add_argument("--tune-seed", type=int, default=99)
+    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--spacing", type=int, default=nc.DEFAULT_SPACING)
+    parser.add_argument("--call-every", type=int, default=300)
+    parser.add_argument("--eval-every", type=int, default=100)
+    parser.add_argument("--arms", nargs="*",
+                        default=["adam", "adam+nc", "cosine", "cosine+nc", "cosine+nc:cap16", "cosine+nc:weight",
+                                 "cosine+nc:reset", "cosine+nc:judged", "cosine+nc:judged:cap16"])
+    parser.add_argument("--nowcaster", default=None, help="neuron-aware weights (default: the shipped ones)")
+    parser.add_argument("--weight-nowcaster", default=str(ROOT / "results-tmp" / "nowcaster_weight.pt"))
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default=None, help="results path without suffix (default: docs/results/"
+                        "nowcast_heldout, or results-tmp/nowcast_heldout_quick with --quick)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    tasks = QUICK if args.quick else {k: HELDOUT[k] for k in args.tasks}
+    if args.quick:
+        args.steps, args.spacing, args.call_every, args.eval_every, args.seeds = 240, 10, 60, 20, [0]
+        args.arms = [a for a in args.arms if "weight" not in a.split(":")[1:]]
+    casters = {"neuron": nc.load_nowcaster(args.nowcaster)}
+    if any("weight" in a.split(":")[1:] for a in args.arms):
+        casters["weight"] = nc.load_nowcaster(args.weight_nowcaster)
+    out = Path(args.out) if args.out else (ROOT / "results-tmp" / "nowcast_heldout_quick" if args.quick
+                                           else ROOT / "docs" / "results" / "nowcast_heldout")
+    json_path = out.with_suffix(".json")
+    results = json.loads(json_path.read_text()) if json_path.exists() and not args.quick else {}
+    earlier = results.get("commands") or ([results["command"]] if "command" in results else [])
+    results.update(git_commit=git_commit(), date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                   command="python -m bench.nowcast_heldout " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
+                   steps=args.steps, spacing=args.spacing, call_every=args.call_every, eval_every=args.eval_every,
+                   schedule=list(SCHEDULE), threads=1,
+                   nowcasters={k: dict(variant=v.variant, params=sum(p.numel() for p in v.parameters()),
+                                       meta={m: v.meta.get(m) for m in ("command", "git_commit", "val_rel_error")})
+                               for k, v in casters.items()})
+    results.setdefault("tasks", {})
+    results["commands"] = earlier + ([results["command"]] if results["command"] not in earlier else [])
+    results["call_cost"] = {**results.get("call_cost", {}),  # tasks not run this time keep their figures
+                            **call_cost(casters, {k: {kk: vv for kk, vv in v.items() if kk not in ("nominal_lr", "grid")}
+                                                  for k, v in tasks.items()})}
+    print("call cost:", json.dumps(results["call_cost"]), flush=True)
+    for name, task in tasks.items():
+        entry = results["tasks"].setdefault(name, dict(spec=task, tuning={}, seeds={}))
+        base = {k: v for k, v in task.items() if k not in ("nominal_lr", "grid")}
+        kw = dict(steps=args.steps, spacing=args.spacing, call_every=args.call_every, eval_every=args.eval_every)
+        if not entry["tuning"]:
+            for lr in task["grid"]:
+                r = run_arm(dict(base, seed=args.tune_seed), lr, True, None, "keep", **kw)
+                entry["tuning"][str(lr)] = r["final_loss"]
+                print(f"{name} tune cosine lr {lr:g}: final val loss {r['final_loss']:.4f}", flush=True)
+        best_lr = float(min(entry["tuning"], key=lambda k: entry["tuning"][k]))
+        entry["cosine_lr"] = best_lr
+        for seed in args.seeds:
+            arms = entry["seeds"].setdefault(str(seed), {})
+            for arm in args.arms:
+                if arm in arms:
+                    continue
+                cosine = arm.startswith("cosine")
+                options = arm.split(":")[1:]
+                variant = "weight" if "weight" in options else "neuron"
+                caster = casters[variant] if "+nc" in arm else None
+                moments = next((o for o in options if o in ("reset", "judged")), "keep")
+                cap = next((int(o[3:]) for o in options if o.startswith("cap")), None)
+                lr = best_lr if cosine else task["nominal_lr"]
+                r = run_arm(dict(base, seed=seed), lr, cosine, caster, moments, cap=cap, **kw)
+                arms[arm] = r
+                print(f"{name} seed {seed} {arm}: final loss {r['final_loss']:.4f} acc {r['final_acc']:.4f}, "
+                      f"{r['train_s']:.0f}s (nowcaster {r['nowcaster_s']:.2f}s); jumps "
+                      + " ".join(f"{j.get('pre_loss', j.get('event'))}->{j['post_loss']:.2f}" for j in r["jumps"]),
+                      flush=True)
+                json_path.parent.mkdir(parents=True, exist_ok=True)
+                json_path.write_text(json.dumps(results, indent=1))
+    summarise(results, out, quick=args.quick)
+
+
+def summarise(results: dict[str, Any], out: Path, quick: bool = False) -> None:
+    """Targets, speed-ups and the markdown table + plot from ``results``."""
+    commands = results.get("commands") or [results["command"]]
+    lines = ["# Learned nowcasting on held-out tasks", "",
+             "Commands (one CPU thread each; later runs add seeds to the same file): "
+             + ", ".join(f"`OMP_NUM_THREADS=1 {c}`" for c in commands), "",
+             f"git commit {results['git_commit']}, {results['date']}, one CPU thread on a shared 2-core "
+             f"machine (wall-clock noisy). {results['steps']} steps per run, snapshots every "
+             f"{results['spacing']} steps, a jump every {results['call_every']} steps with horizons "
+             f"{results['schedule']} (in snapshot spacings), validation every {results['eval_every']} steps.",
+             "", "Targets: the tuned cosine run's validation loss at 50% / 75% / 100% of its steps (per seed). "
+             "Speed-up = the cosine run's steps (or training seconds) to the target over the arm's; "
+             "'–' = not reached.", ""]
+    cost = results.get("call_cost", {})
+    if cost:
+        variants = [k[:-2] for k in next(iter(cost.values())) if k.endswith("_s") and k != "train_step_s"]
+        lines += ["## Cost of one nowcaster call (best of 3, one thread; noisy shared machine)", "",
+                  "| model | parameters | " + " | ".join(f"{v} call (s)" for v in variants) + " | one training step (s) |",
+                  "|---|---|" + "---|" * len(variants) + "---|"]
+        for name, row in cost.items():
+            step = f"{row['train_step_s']:.4f}" if "train_step_s" in row else "–"
+            lines.append(f"| {name} | {row['params']:,} | " + " | ".join(f"{row[v + '_s']:.3f}" for v in variants)
+                         + f" | {step} |")
+        lines.append("")
+    for name, entry in results["tasks"].items():
+        lines += [f"## {name}: {json.dumps(entry['spec'])}", "",
+                  f"cosine rate tuned on seed 99 over {entry['spec']['grid']}: final val loss "
+                  + ", ".join(f"{k}: {v:.4f}" for k, v in entry["tuning"].items())
+                  + f" -> {entry.get('cosine_lr')}", "",
+                  "| arm | seeds | final val loss | final acc | steps to T50 / T75 / T100 | step speed-up vs cosine "
+                  "(T50 / T75 / T100) | wall speed-up (T50 / T75 / T100) | train s | nowcaster s (calls) |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        arm_names = []
+        for arms in entry["seeds"].values():
+            arm_names += [a for a in arms if a not in arm_names]
+        for arm in arm_names:
+            runs = [(s, arms[arm], arms.get("cosine")) for s, arms in entry["seeds"].items() if arm in arms]
+            steps_cells, sp_cells, wall_cells = [], [], []
+            for frac in (0.5, 0.75, 1.0):
+                reach, sps, walls = [], [], []
+                for _, r, cos in runs:
+                    if cos is None:
+                        continue
+                    idx = min(len(cos["curve"]) - 1, round(frac * (len(cos["curve"]) - 1)))
+                    target = cos["curve"][idx]["loss"] if frac < 1 else cos["final_loss"]
+                    c_step, c_s = first_reach(cos["curve"], target)
+                    a_step, a_s = first_reach(r["curve"], target)
+                    reach.append(a_step)
+                    if a_step:
+                        sps.append(c_step / a_step)
+                        walls.append(c_s / a_s if a_s else math.nan)
+                steps_cells.append("/".join(str(x) if x is not None else "–" for x in reach))
+                sp_cells.append(f"{_gmean(sps):.2f}×" if len(sps) == len(runs) and sps else
+                                (f"{_gmean(sps):.2f}× ({len(sps)}/{len(runs)})" if sps else "–"))
+                wall_cells.append(f"{_gmean(walls):.2f}×" if len(walls) == len(runs) and walls else "–")
+            n = len(runs)
+            mean = lambda key: sum(r[key] for _, r, _ in runs) / n  # noqa: E731
+            calls = sum(len([j for j in r["jumps"] if j.get("event", "jump") == "jump"]) for _, r, _ in runs)
+            lines.append(f"| {arm} | {n} | {mean('final_loss'):.4f} | {mean('final_acc'):.4f} | "
+                         f"{' ; '.join(steps_cells)} | {' / '.join(sp_cells)} | {' / '.join(wall_cells)} | "
+                         f"{mean('train_s'):.0f} | {mean('nowcaster_s'):.2f} ({calls}) |")
+        jump_rows = []
+        for seed, arms in entry["seeds"].items():
+            for arm, r in arms.items():
+                if r["jumps"] and "pre_loss" in r["jumps"][0]:
+                    jump_rows.append(f"| {arm} | {seed} | " + " ".join(
+                        f"{j['pre_loss']:.2f}→{j['post_loss']:.2f}" for j in r["jumps"]) + " |")
+                elif r["jumps"]:  # judged: the loss after the jump, and after the verdict
+                    jump_rows.append(f"| {arm} | {seed} | " + " ".join(
+                        f"step {j['step']}: {j['event']} {j['post_loss']:.2f}" for j in r["jumps"]) + " |")
+        if jump_rows:
+            lines += ["", "Validation loss right before → right after each jump (judged arm: the loss right after the jump and right after the verdict, kept or rolled back):", "", "| arm | seed | jumps |",
+                      "|---|---|---|"] + jump_rows
+        lines.append("")
+    if not quick:
+        out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+        plot(results, out.with_suffix(".png"))
+    else:
+        print("\n".join(lines))
+
+
+def _gmean(xs: list[float]) -> float:
+    xs = [x for x in xs if x and math.isfinite(x)]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else math.nan
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = results["tasks"]
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 4), squeeze=False)
+    for ax, (name, entry) in zip(axes[0], tasks.items()):
+        seed, arms = next(iter(entry["seeds"].items()))
+        for arm, r in arms.items():
+            ax.plot([c["step"] for c in r["curve"]], [c["loss"] for c in r["curve"]], label=arm)
+        ys = [c["loss"] for r in arms.values() for c in r["curve"]]
+        ax.set_ylim(min(ys) * 0.97, sorted(ys)[int(0.9 * len(ys))] * 1.1)
+        ax.set_title(f"{name} (seed {seed})")
+        ax.set_xlabel("step")
+        ax.set_ylabel("validation loss")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    main()
