@@ -14,6 +14,7 @@ import logging
 
 from .combined_optimizer import CombinedOptimizer
 from .config import HybridConfig
+from .errors import TrainingStalledError
 from .events import Callback, RefusedUpdate, Rollback, TrainedSetChange
 from .phases import Phase
 from .trainer import HybridTrainer, StepResult
@@ -23,4 +24,4 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __version__ = "0.1.0"
 __all__ = ["Callback", "CombinedOptimizer", "HybridConfig", "HybridTrainer", "Phase", "RefusedUpdate", "Rollback",
-           "StepResult", "TrainedSetChange", "__version__"]
+           "StepResult", "TrainedSetChange", "TrainingStalledError", "__version__"]

@@ -31,6 +31,7 @@ class StepResult:
     lrs: tuple[float, ...] | None = None
     confidence: float | None = None
     wall_time_s: float = 0.0
+    emergency_checkpoint_error: str | None = None  # why this step's emergency checkpoint was not written
 
 
 @dataclass
@@ -50,6 +51,8 @@ class RunStatistics:
     divergence_rollbacks: int = 0
     skipped_steps: int = 0
     trained_set_changes: int = 0  # freezing / unfreezing followed (see _follow_trainable_change)
+    stall_restores: int = 0  # good state restored because the guard could not make progress (StepGuard)
+    emergency_checkpoint_failures: int = 0  # emergency checkpoints whose write raised (warned; the step completed)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """In place: the collaborators hold this object."""
@@ -98,7 +101,8 @@ def format_summary(s: dict[str, Any]) -> str:
         f"{s['predicted_steps_rolled_back']} rolled back; verifications {s['verifications']} "
         f"({s['verifications_accepted']} accepted); predict phases {s['predict_phases']} "
         f"({s['predict_phases_rejected']} rejected)",
-        f"divergence rollbacks {s['divergence_rollbacks']}, skipped updates {s['skipped_steps']}",
+        f"divergence rollbacks {s['divergence_rollbacks']}, skipped updates {s['skipped_steps']}, "
+        f"good state restored for a stall {s['stall_restores']}",
         "time per phase: " + ", ".join(f"{k} {v:.2f}s" for k, v in s["time_by_phase_s"].items()),
     ]
     if s["dynamics_error_by_horizon"]:

@@ -155,6 +155,8 @@ def trainer_registry(trainer: Any) -> StateRegistry:
     reg.register("outside_model", lambda: [p.detach().clone() for p in t.trained.outside_model],
                  lambda values: _copy_into(t.trained.outside_model, values))
     reg.register_component("optimizer", lambda: t.optimizer)
+    # Compared on load (resume_check): another class's state would load and fail steps later.
+    reg.register("optimizer_class", lambda: type(t.optimizer).__name__, lambda v: None)
     reg.register_component("scheduler", lambda: t.scheduler)
     reg.register_component("scaler", lambda: t.scaler)
     reg.register_component("predictor", lambda: t.predictor)

@@ -13,17 +13,36 @@ only: where the snapshot lives can change there without the guard's decisions ch
 lives off the device by default (``HybridConfig.good_state_storage``): taken every
 ``good_state_every`` real steps and read back only after a spike, it need not cost the device
 three copies of the weights (weights and AdamW's two moments).
+
+What a refused step leaves: the weights and optimizer state as before the step (a non-finite
+loss or gradient) or as in the last good state (a spike); the module buffers as before the
+step's forward (:class:`~hybrid_trainer.buffer_guard.BufferGuard`; the forward of a NaN batch
+would otherwise write NaN into batch-norm statistics for good) or the good state's.
+
+When the guard cannot make progress it escalates (:meth:`StepGuard.escalate`): after
+``max_refused_in_a_row`` refusals in a row (``HybridConfig.divergence``; default 20), when a
+refused step finds non-finite weights, buffers or optimizer state (a NaN written from outside,
+a checkpoint's), or when the good-state snapshot would copy one, it restores the last good
+state once and warns; if that happens again before a new good state is taken, or there is no
+good state, it raises :class:`~hybrid_trainer.errors.TrainingStalledError` naming the
+non-finite tensors. Before this, such a run went on refusing every step, silently, for ever.
+Finiteness is looked at on refusals and at snapshots only (one host read over all tensors),
+never on an accepted step.
 """
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Protocol
 
 import torch
 
 from .anchor import WeightAnchor
+from .buffer_guard import BufferGuard
 from .config import HybridConfig
 from .divergence import DivergenceMonitor, Severity
+from .errors import TrainingStalledError
+from .resume_check import non_finite_names
 
 
 def grad_norm_tensor(grads: list[torch.Tensor]) -> torch.Tensor | None:
@@ -92,15 +111,35 @@ class StepGuard:
         self.monitor = DivergenceMonitor(**config.divergence)
         self.params: list[torch.Tensor] = []
         self.good_state: GoodStateStore | None = None
+        self.buffers_before = BufferGuard([])  # the module buffers before the step's forward
+        self._buffer_slots: list[tuple[torch.nn.Module, str]] = []
+        self._names: dict[int, str] = {}  # id(param) -> name, for the messages
+        self._buffer_names: list[str] = []
+        # Set when the good state was restored because the guard could not make progress; cleared
+        # when a new good state is taken. Needed again before then, the guard raises instead.
+        self.stall_restored = False
         self._host_values: torch.Tensor | None = None  # pinned landing place of the read (CUDA)
         # Where a read waits for nothing there is nothing to overlap: the device-side skip's extra
         # ops would only add work to every step (a CPU's sub-millisecond MLP steps notice it).
         self.overlap = not reads_are_free(device)
 
-    def retarget(self, params: list[torch.Tensor], buffers: list[torch.Tensor]) -> None:
-        """Guard ``params`` from now on; the good state restarts empty."""
+    def retarget(self, params: list[torch.Tensor], buffers: list[tuple[torch.nn.Module, str]],
+                 module: torch.nn.Module | None = None) -> None:
+        """Guard ``params`` and the buffers at ``buffers`` (``(owner, name)`` slots) from now on;
+        the good state restarts empty. ``module`` (the unwrapped model) names them in messages."""
         self.params = params
         self.good_state = make_good_state_store(params, buffers, self.storage, self.config.snapshot_dir)
+        self.buffers_before = BufferGuard(buffers)
+        self._buffer_slots = list(buffers)
+        self.stall_restored = False
+        if module is not None:
+            self._names = {id(p): name for name, p in module.named_parameters()}
+            prefixes = {id(owner): name for name, owner in module.named_modules()}
+            self._buffer_names = [f"{prefixes.get(id(owner), '?')}.{name}".lstrip(".") for owner, name in buffers]
+
+    def before_forward(self) -> None:
+        """Called before a real step's forward: keep the buffers it is about to change."""
+        self.buffers_before.before_forward()
 
     def grad_norm(self) -> torch.Tensor | None:
         """Global gradient norm as a 0-d device tensor (before clipping, which it applies when
@@ -170,9 +209,11 @@ class StepGuard:
             grad_norm = None  # fp16 overflow: the GradScaler skips this step by itself
         return self.monitor.check(loss, grad_norm)
 
-    def refuse_update(self, loss: float, grad_norm: float | None) -> bool:
+    def refuse_update(self, loss: float, grad_norm: float | None, report: Any = None, step: int | None = None) -> bool:
         """A critical divergence: the update is not applied; weights go back to the last good
-        state if they are already off (a loss spike). Returns whether they were rolled back."""
+        state if they are already off (a loss spike), the buffers to where the step's forward
+        found them otherwise. Escalates when the guard cannot make progress (module docstring).
+        Returns whether the weights were rolled back; raises :class:`TrainingStalledError`."""
         self.optimizer.zero_grad(set_to_none=True)
         if self.scaler is not None:
             # unscale_ ran this step; without an update() the next step's unscale_ would raise.
@@ -180,17 +221,77 @@ class StepGuard:
             self.scaler.update()
         self.stats.skipped_steps += 1
         non_finite = not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm))
-        if non_finite or not self.good_state.is_set:
-            return False
-        self.good_state.restore(self.optimizer)
-        self.stats.divergence_rollbacks += 1
-        self.monitor.reset_window()
-        return True
+        rolled_back = False
+        if not non_finite and self.good_state.is_set:
+            self.good_state.restore(self.optimizer)  # weights, optimizer state and buffers
+            self.stats.divergence_rollbacks += 1
+            self.monitor.rewind_window()  # the next steps are judged by the good state's window
+            rolled_back = True
+        else:
+            self.buffers_before.restore()  # the refused forward's trace in batch-norm statistics
+        stalled = self.monitor.record_refusal()
+        # A non-finite loss is most often the batch's; it is the state's when the weights (or
+        # buffers, or optimizer state) are non-finite themselves, which no later step can mend.
+        bad = self.non_finite_state() if non_finite else []
+        if bad or stalled:
+            why = "; ".join(report.reasons) if report is not None and report.reasons else "refused"
+            reason = (f"{self.monitor.refused_in_a_row} steps in a row refused (last: {why})" if stalled
+                      else f"step refused ({why})")
+            self.escalate(reason, bad, step)
+            rolled_back = True
+        return rolled_back
 
-    def accept(self, step: int, real_steps: int, loss: float, grad_norm: float | None, severity: Severity) -> None:
+    def accept(self, step: int, real_steps: int, loss: float, grad_norm: float | None, severity: Severity) -> bool:
         """After an applied update: feed the monitor and, every ``good_state_every`` real steps
-        of a healthy run, snapshot the good state (weights after the update, optimizer state)."""
+        of a healthy run, snapshot the good state (weights after the update, optimizer state),
+        unless something in it is non-finite: a snapshot never holds a NaN (a NaN written into a
+        batch-norm statistic from outside changes no train-mode loss; it is found here), and the
+        guard escalates instead. Returns whether that rolled the weights back."""
         self.monitor.observe(loss, grad_norm)
         every = self.config.good_state_every
         if every and (real_steps % every == 1 or not self.good_state.is_set) and severity is Severity.OK:
+            bad = self.non_finite_state()
+            if bad:
+                self.escalate("non-finite values where the good state was to be taken", bad, step)
+                return True
             self.good_state.save(step, self.optimizer)
+            self.monitor.remember_window()
+            self.stall_restored = False
+        return False
+
+    def non_finite_state(self) -> list[str]:
+        """Names of the guarded weights, module buffers and optimizer-state tensors holding a
+        NaN or an Inf (one host read for all of them)."""
+        def name(p: torch.Tensor, i: int) -> str:
+            return repr(self._names.get(id(p), f"trained tensor {i}"))
+
+        named = [(f"weight {name(p, i)}", p) for i, p in enumerate(self.params)]
+        named += [(f"buffer {self._buffer_names[i]!r}" if i < len(self._buffer_names) else f"buffer {n!r}",
+                   owner._buffers[n]) for i, (owner, n) in enumerate(self._buffer_slots)]
+        named += [(f"optimizer state {key!r} of {name(p, i)}", value) for i, p in enumerate(self.params)
+                  for key, value in self.optimizer.state.get(p, {}).items()]
+        return non_finite_names(named)
+
+    def escalate(self, reason: str, non_finite: list[str], step: int | None = None) -> None:
+        """The guard cannot make progress: restore the last good state once (and warn), or, when
+        that was done already since the good state was taken, or there is none, raise
+        :class:`TrainingStalledError` naming ``non_finite``."""
+        shown = ", ".join(non_finite[:8]) + (f" and {len(non_finite) - 8} more" if len(non_finite) > 8 else "")
+        detail = reason + (f"; non-finite: {shown}" if non_finite else "")
+        where = "" if step is None else f" at step {step}"
+        if self.good_state.is_set and not self.stall_restored:
+            self.good_state.restore(self.optimizer)
+            self.monitor.rewind_window()
+            self.monitor.refused_in_a_row = 0
+            self.stall_restored = True
+            self.stats.stall_restores += 1
+            warnings.warn(f"training{where}: {detail}; restored the last good state (step {self.good_state.step})",
+                          RuntimeWarning, stacklevel=5)  # the caller of trainer.step
+            return
+        why = (f"restoring the last good state (step {self.good_state.step}) did not help"
+               if self.good_state.is_set else "there is no good state to restore")
+        hint = ("check the data, the learning rate or the checkpoint resumed from" if non_finite else
+                "check the data and the learning rate; if the refused steps are a loss that legitimately "
+                "changed level (a new data regime), loosen HybridConfig.divergence (loss_jump_factor, "
+                "loss_z_critical, grad_explosion_factor)")
+        raise TrainingStalledError(f"training stalled{where}: {detail}; {why}: {hint}", non_finite)

@@ -26,7 +26,9 @@ def trained_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer
 
 class TrainedSet:
     """The tensors trained now (``params``, of which ``outside_model`` are not the model's) and
-    what is watched to notice a change: the optimizer's frozen tensors and its group count."""
+    what is watched to notice a change: the optimizer's frozen tensors and the sizes of its
+    param groups (a group added, or a tensor appended to one: ``group["params"].append(p)``,
+    which users do and which adds no group)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
         self.model, self.optimizer = model, optimizer
@@ -42,11 +44,14 @@ class TrainedSet:
         tracked = {id(p) for p in params}
         self.untracked = [p for group in self.optimizer.param_groups for p in group["params"]
                           if id(p) not in tracked]  # frozen now: watched for unfreezing
-        self.param_groups = len(self.optimizer.param_groups)
+        self.group_sizes = self._group_sizes()
+
+    def _group_sizes(self) -> tuple[int, ...]:
+        return tuple(len(group["params"]) for group in self.optimizer.param_groups)
 
     def changed(self) -> bool:
-        """Whether a group was added, a watched tensor unfroze or a trained one froze (per step:
-        a length compare and two scans of ``requires_grad``)."""
-        return (len(self.optimizer.param_groups) != self.param_groups
+        """Whether a group was added or grew, a watched tensor unfroze or a trained one froze (per
+        step: one length per group and two scans of ``requires_grad``)."""
+        return (self._group_sizes() != self.group_sizes
                 or any(p.requires_grad for p in self.untracked)
                 or not all(p.requires_grad for p in self.params))

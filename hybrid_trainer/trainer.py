@@ -28,13 +28,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any, Callable
 
 import torch
 
-from . import checkpoint, grad_checkpoint
+from . import checkpoint, grad_checkpoint, resume_check
 from .anchor import buffer_slots
 from .averaging import WeightAverage
 from .config import HybridConfig
@@ -50,7 +51,8 @@ from .predict_phase import PredictPhase
 from .run_report import RunStatistics, StepResult, format_summary, run_statistics
 from .setup_checks import (check_arguments, check_ddp_trains_only_its_module, check_dense, check_predictable,
                            check_scheduler, check_train_mode)
-from .state_registry import CHECKPOINT_VERSION, check_trains_what_was_saved, rng_of_rank, trainer_registry, upgrade_v1
+from .state_registry import (CHECKPOINT_VERSION, check_trains_what_was_saved, rng_of_rank, trainer_registry, upgrade_v1,
+                             without_ddp_prefix)
 from .step_guard import StepGuard
 from .trained_set import TrainedSet
 from .verifier import LossTrend
@@ -137,6 +139,7 @@ class HybridTrainer:
 
         self.step_count = 0
         self._last_update_cosine = float("nan")
+        self._emergency_error: str | None = None  # the write error of this step's emergency checkpoint
         self.nowcast = self._make_nowcast(config)
         self.registry = trainer_registry(self)
 
@@ -198,7 +201,9 @@ class HybridTrainer:
         if self.profiler is not None:
             self.profiler.snapshot(result.step, phase.value)
         if self.vram_guard is not None:
+            self._emergency_error = None
             self.vram_guard.check(result.step)
+            result.emergency_checkpoint_error = self._emergency_error
         self._log(result)
         # Events are rare: a few compares tell that none happened. Hooks run last, so one that
         # raises finds the step done and counted.
@@ -220,7 +225,7 @@ class HybridTrainer:
         self.trained.track(params, outside)
         buffers = buffer_slots(unwrap(self.model))  # e.g. batch-norm statistics: forwards change them too
         self.predict_phase.retarget(params, buffers)
-        self.guard.retarget(params, buffers)
+        self.guard.retarget(params, buffers, unwrap(self.model))
         if cfg.weight_average:
             self.weight_average = (WeightAverage(params) if self.weight_average is None
                                    else self.weight_average.retarget(params))
@@ -263,17 +268,31 @@ class HybridTrainer:
             self.offloader.wait()
 
     def _emergency_checkpoint(self, sample) -> None:
+        """The VRAM guard's critical callback, run after the step's update and bookkeeping.
+
+        A failing write (disk full, a bad path) is warned about, counted
+        (``emergency_checkpoint_failures``) and recorded in the step's result, not raised: raised
+        here it escaped ``step()`` after the update and ``step_count`` were applied, so a caller
+        that retried trained the batch twice and the step's metrics line was lost; and a memory
+        emergency is no reason to stop a run that still trains."""
         path = self.config.emergency_checkpoint_path
         if path is None:
             return
-        if self.ranks.active:
-            # Memory pressure is one rank's own: nothing collective may run here, so each rank
-            # that hits it writes its own file (the weights are the same on every rank).
-            path = f"{path}.rank{self.ranks.rank}"
-            self._state_home()
-            checkpoint.atomic_save(self.state_dict(), path)
-        else:
-            self._write_checkpoint(path)
+        try:
+            if self.ranks.active:
+                # Memory pressure is one rank's own: nothing collective may run here, so each rank
+                # that hits it writes its own file (the weights are the same on every rank).
+                path = f"{path}.rank{self.ranks.rank}"
+                self._state_home()
+                checkpoint.atomic_save(self.state_dict(), path)
+            else:
+                self._write_checkpoint(path)
+        except Exception as error:  # the write's own failure; interrupts (KeyboardInterrupt) still propagate
+            self.stats.emergency_checkpoint_failures += 1
+            self._emergency_error = f"{type(error).__name__}: {error}"
+            warnings.warn(f"emergency checkpoint to {path!r} failed ({self._emergency_error}); the step completed "
+                          f"and training goes on without it", RuntimeWarning, stacklevel=4)
+            return
         self.events.saved(path, self.step_count, wrote=True, emergency=True)  # its hooks run at the step's end
 
     def _micro_batches(self, batch: Any) -> Sequence[Any]:
@@ -295,6 +314,7 @@ class HybridTrainer:
         if any(p.grad is not None for group in self.optimizer.param_groups for p in group["params"]):
             self.optimizer.zero_grad(set_to_none=True)
         micro = self._micro_batches(batch)
+        guard.before_forward()  # a refused step puts the buffers (batch-norm statistics) back as they are now
         loss_sum = None
         for index, part in enumerate(micro):
             last = index == len(micro) - 1
@@ -325,7 +345,7 @@ class HybridTrainer:
             total, grad_norm = guard.read_loss_and_norm(loss_sum, norm)
         report = guard.check(total, grad_norm)
         if report.critical:
-            rolled_back = guard.refuse_update(total, grad_norm)
+            rolled_back = guard.refuse_update(total, grad_norm, report, self.step_count)
             self.controller.force_full()
             return StepResult(step=self.step_count, phase=phase.value, loss=total if math.isfinite(total) else None,
                               backward_done=self.stats.backward_passes > 0 and math.isfinite(total), skipped=True,
@@ -366,7 +386,9 @@ class HybridTrainer:
         self.loss_trend.update(total)
         self.forecaster.observe(phase, self.step_count, self.stats.optimizer_steps, total, grad_norm, update_norm,
                                 lr, self.optimizer)
-        guard.accept(self.step_count, self.stats.optimizer_steps, total, grad_norm, report.severity)
+        rolled_back = guard.accept(self.step_count, self.stats.optimizer_steps, total, grad_norm, report.severity)
+        if rolled_back:  # a non-finite state found at the snapshot: back to the good state
+            self.controller.force_full()
         if self.nowcast is not None:  # PREDICT as a nowcast jump: snapshot, jump or verdict when due
             if self.nowcast.after_step(self.step_count, total) in ("jump", "rolled_back"):
                 # A far jump first makes the loss worse by design and is judged by its own verdict;
@@ -376,7 +398,8 @@ class HybridTrainer:
         if record:
             worth.time("core", worth.clock("core") - started - worth.machinery_s)
         return StepResult(step=self.step_count, phase=phase.value, loss=total, backward_done=True,
-                          divergence=report.severity.name, grad_norm=grad_norm, lr=lr, lrs=lrs)
+                          divergence=report.severity.name, grad_norm=grad_norm, lr=lr, lrs=lrs,
+                          rolled_back=rolled_back)
 
     def _make_nowcast(self, config: HybridConfig):
         """The nowcast-jump controller when ``config.predictor == "nowcast"``, else None."""
@@ -451,21 +474,78 @@ class HybridTrainer:
         if state.get("version") != CHECKPOINT_VERSION:
             raise ValueError(f"checkpoint version {state.get('version')!r} is not {CHECKPOINT_VERSION} "
                              f"(nor 1, which still loads)")
-        check_trains_what_was_saved(state, self.params)  # before anything loads
+        state = {"optimizer_class": None, **state}  # written before the class was saved: not compared
+        self._check_loadable(state)  # everything, before anything is restored
         self.registry.load_state_dict(state)
         checkpoint.restore_rng(rng_of_rank(state, self.ranks))
+
+    def _check_loadable(self, state: dict[str, Any]) -> None:
+        """Raise ``ValueError`` naming what in ``state`` does not fit this trainer, before
+        :meth:`load_state_dict` restores anything (:mod:`hybrid_trainer.resume_check`): a load
+        that failed halfway left weights and optimizer state from the file and the rest from the
+        run it replaced. The small components load into copies first; the large ones (model,
+        optimizer, predictor, snapshots) are compared by structure and shape."""
+        check = resume_check
+        missing = [key for key in self.registry.keys() if key not in state]
+        if missing:
+            raise ValueError(f"checkpoint: no state for {missing}")
+        check.check_config(state["config"], self.config)
+        module = unwrap(self.model)
+        check.check_model(without_ddp_prefix(state["model"], module), module)
+        check_trains_what_was_saved(state, self.params)  # the predictor and snapshots: one slot per trained tensor
+        check.check_outside_model(state["outside_model"], self.trained.outside_model)
+        names = {id(p): repr(n) for n, p in module.named_parameters()}
+        check.check_optimizer(state["optimizer"], self.optimizer, state["optimizer_class"], names)
+        check.check_predictor(state["predictor"], self.predictor.numel, self.predictor.scales.shape)
+        buffers = [owner._buffers[name] for owner, name in buffer_slots(module)]
+        check.check_snapshot(state["anchor"], "anchor", self.params, buffers, finite=False)
+        check.check_snapshot(state["good_state"], "good_state", self.params, buffers, finite=True)
+        if self.weight_average is not None and state["weight_average"] is not None:
+            check.check_like(state["weight_average"], self.weight_average.state_dict(), "weight_average")
+        if self.scheduler is not None and state["scheduler"] is not None \
+                and set(state["scheduler"]) != set(self.scheduler.state_dict()):
+            raise ValueError(f"checkpoint: 'scheduler' is not the state of a {type(self.scheduler).__name__}")
+        small = [("history", self.history, "load_state_dict"), ("normalizer", self.normalizer, "load_state_dict"),
+                 ("dynamics", self.dynamics, "load_full_state_dict"), ("monitor", self.monitor, "load_state_dict"),
+                 ("controller", self.controller, "load_state_dict"), ("loss_trend", self.loss_trend, "load_state_dict"),
+                 ("stats", self.stats, "load_state_dict")]
+        if self.scaler is not None and state["scaler"] is not None:
+            small.append(("scaler", self.scaler, "load_state_dict"))
+        if self.cost is not None and state["cost"] is not None:
+            small.append(("cost", self.cost, "load_state_dict"))
+        for key, component, method in small:
+            if component is not None and state[key] is not None:  # as the registry: skipped when either has none
+                check.check_loads_into_a_copy(component, state[key], key, method)
+        # These hold references to the large parts (a copy would copy them): their keys only.
+        for key, live in (("worth", self.worth.state_dict()), ("predict_phase", self.predict_phase.state_dict()),
+                          ("trainer", {"step_count": 0, "last_update_cosine": 0.0})):
+            check.check_keys(state[key], live, key)
+        rngs = state.get("rng_by_rank") or [state["rng"]]
+        if not all(isinstance(r, dict) and isinstance(r.get("torch"), torch.Tensor) and r["torch"].dtype == torch.uint8
+                   for r in rngs):
+            raise ValueError("checkpoint: 'rng' is not a random-stream state from capture_rng()")
 
     def save(self, path) -> None:
         """Write the full state atomically (temporary file, fsync, rename).
 
         Under DDP every rank must call it (it is collective): rank 0 writes one file holding the
-        shared state and every rank's random streams, and all ranks return once it exists."""
+        shared state and every rank's random streams, and all ranks return once it exists.
+
+        Refuses (``ValueError`` naming them) to write weights, buffers or optimizer state holding
+        NaN or Inf: ``load`` would refuse the file, and a NaN from outside the guard's view (a
+        batch-norm statistic, between good-state snapshots) must not outlive the run in it. So
+        does the emergency checkpoint (warned about, see :meth:`_emergency_checkpoint`)."""
         self._write_checkpoint(path)
         self.events.saved(path, self.step_count, wrote=self.ranks.is_writer)
         self.events.dispatch(self, after=f"trainer.save({str(path)!r}) had completed")
 
     def _write_checkpoint(self, path) -> None:
         self._state_home()
+        bad = self.guard.non_finite_state()  # the same on every rank (DDP keeps them equal): all raise
+        if bad:
+            raise ValueError(f"save: refusing to write a checkpoint holding NaN or Inf in {', '.join(bad[:8])}"
+                             f"{' and more' if len(bad) > 8 else ''} (load would refuse it); the guard restores "
+                             f"the last good state at its next snapshot or refusal")
         state = self.state_dict()
         if self.ranks.active:
             state["rng_by_rank"] = self.ranks.gather(state["rng"])

@@ -102,12 +102,60 @@ def test_sudden_drop_after_steady_decline_is_ok():
     assert report.severity == Severity.OK, report.reasons
 
 
-def test_no_loss_z_test_before_min_history():
+def test_before_min_history_no_z_test_but_a_jump_is_critical():
+    """The z-score needs min_history losses; a loss ten times the largest seen needs one, so the
+    first steps of a run (and the steps after a rollback) are not blind to a blow-up."""
     monitor = fed_monitor([1.0, 1.01, 0.99], min_history=10)
     assert monitor.loss_z_score(100.0) is None
-    assert monitor.check(100.0).severity == Severity.OK
+    assert monitor.check(5.0).severity == Severity.OK  # a rise the z-score would judge, not a jump
+    report = monitor.check(100.0)
+    assert report.critical and report.kinds == ["loss_jump"], report.reasons
+    assert monitor.check(1.01 + 9 * 1.01).severity == Severity.OK  # exactly at the factor is not above it
+    assert monitor.check(1.01 + 9 * 1.01 * 1.001).critical
+    assert DivergenceMonitor().check(1e9).severity == Severity.OK  # nothing seen, nothing to compare with
     monitor = fed_monitor([1.0, 1.01, 0.99] * 4, min_history=10)
-    assert monitor.check(100.0).critical
+    assert monitor.check(100.0).kinds == ["loss_jump", "loss_z"]
+
+
+def test_a_jump_of_a_negative_loss_is_measured_against_its_magnitude():
+    monitor = fed_monitor([-5.0, -4.0])
+    assert monitor.check(-4.0 + 8.9 * 5.0).severity == Severity.OK
+    assert monitor.check(-4.0 + 9.1 * 5.0).critical
+
+
+def test_grad_jump_is_critical_from_the_first_grad_norm():
+    monitor = fed_monitor([1.0], [2.0])
+    assert monitor.check(1.0, grad_norm=199.0).severity == Severity.OK
+    report = monitor.check(1.0, grad_norm=201.0)
+    assert report.critical and report.kinds == ["grad_explosion"], report.reasons
+
+
+def test_rewind_window_goes_back_to_the_remembered_history():
+    losses = noisy_decreasing_losses(4, steps=40)
+    monitor = fed_monitor(losses, [1.0] * 40)
+    monitor.remember_window()
+    kept = monitor.state_dict()
+    for loss in losses[:5]:  # the abandoned trajectory
+        monitor.observe(loss * 3, 5.0)
+    monitor.rewind_window()
+    now = monitor.state_dict()
+    assert (now["losses"], now["grad_norms"]) == (kept["losses"], kept["grad_norms"])
+    assert monitor.check(10 * losses[-1]).critical  # judged at once, as before the rollback
+    fresh = DivergenceMonitor()
+    fresh.observe(1.0, 1.0)
+    fresh.rewind_window()  # nothing remembered: forget
+    assert fresh.history_length == 0
+
+
+def test_refusals_in_a_row_stall_and_an_accepted_step_ends_them():
+    monitor = DivergenceMonitor(max_refused_in_a_row=3)
+    assert not monitor.record_refusal() and not monitor.record_refusal()
+    monitor.observe(1.0, 1.0)
+    assert monitor.refused_in_a_row == 0
+    assert [monitor.record_refusal() for _ in range(3)] == [False, False, True] and monitor.stalled
+    restored = DivergenceMonitor(max_refused_in_a_row=3)
+    restored.load_state_dict(json.loads(json.dumps(monitor.state_dict())))
+    assert restored.stalled
 
 
 def test_flat_loss_does_not_turn_rounding_into_alarm():
@@ -129,9 +177,10 @@ def test_grad_explosion_is_critical():
     assert monitor.counts["grad_explosion"] == 1
 
 
-def test_grad_explosion_needs_history():
+def test_grad_explosion_against_the_median_needs_history():
     monitor = fed_monitor([1.0] * 3, [1.0] * 3)
-    assert monitor.check(1.0, grad_norm=1e5).severity == Severity.OK
+    assert monitor.check(1.0, grad_norm=50.0).severity == Severity.OK  # 50x the median, below the jump factor
+    assert fed_monitor([1.0] * 10, [1.0] * 10).check(1.0, grad_norm=50.0).critical
 
 
 def test_vanishing_gradient_is_warning():
@@ -267,6 +316,8 @@ def reference_check(monitor, accepted, accepted_grads, loss, grad_norm):
     findings = []
     z = None
     recent = accepted[-monitor.window:]
+    if recent and loss - max(recent) > (monitor.loss_jump_factor - 1) * max(max(abs(v) for v in recent), 1e-12):
+        findings.append((Severity.CRITICAL, "loss_jump"))
     if len(recent) >= monitor.min_history:
         center = statistics.median(recent)
         mad_scale = 1.4826 * statistics.median([abs(v - center) for v in recent])
@@ -290,7 +341,10 @@ def reference_check(monitor, accepted, accepted_grads, loss, grad_norm):
     if grad_norm < monitor.grad_vanish_threshold:
         findings.append((Severity.WARNING, "grad_vanish"))
     grads = accepted_grads[-monitor.window:]
-    if len(grads) >= monitor.min_history:
+    if 0 < len(grads) < monitor.min_history:
+        if max(grads) > monitor.grad_vanish_threshold and grad_norm > monitor.grad_jump_factor * max(grads):
+            findings.append((Severity.CRITICAL, "grad_explosion"))
+    elif len(grads) >= monitor.min_history:
         reference = statistics.median(grads)
         if reference > monitor.grad_vanish_threshold and grad_norm > monitor.grad_explosion_factor * reference:
             findings.append((Severity.CRITICAL, "grad_explosion"))
