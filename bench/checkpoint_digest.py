@@ -16,11 +16,9 @@ the CPU cost of the digest, not disk speed. Timings on a shared machine are nois
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from bench.protocol import run_metadata
 from hybrid_trainer import checkpoint
 
 
@@ -67,12 +66,10 @@ def main(argv: list[str] | None = None) -> int:
             times["plain load"].append(_timed(lambda: torch.load(plain_path, weights_only=True)))
             times["digest load"].append(_timed(lambda: checkpoint.load(digest_path)))
     medians = {name: statistics.median(values) for name, values in times.items()}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     command = "python -m bench.checkpoint_digest " + " ".join(sys.argv[1:] if argv is None else argv)
-    results = dict(command=command.strip(), commit=commit, torch=torch.__version__, state_mib=size_mib,
-                   date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                   median_s=medians, all_s=times,
+    results = run_metadata(command, state_mib=size_mib, median_s=medians, all_s=times,
                    extra_s={op: medians[f"digest {op}"] - medians[f"plain {op}"] for op in ("save", "load")})
+    commit = (results["git_commit"] or "?")[:10]
     print(f"{command.strip()} (commit {commit}, torch {torch.__version__}): state {size_mib:.0f} MiB, "
           f"median of {args.repeats}")
     for op in ("save", "load"):

@@ -30,7 +30,6 @@ to reach the tuned cosine run's validation loss at 50%, 75% and 100% of its step
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import math
 import time
@@ -40,7 +39,8 @@ from typing import Any
 import torch
 
 from bench import nowcaster_family as fam
-from bench.nowcaster_meta import ROOT, git_commit
+from bench.protocol import run_metadata
+from bench.nowcaster_meta import ROOT
 from hybrid_trainer import nowcaster as nc
 from hybrid_trainer.nowcast_jump import NowcastJump
 
@@ -234,8 +234,8 @@ def main(argv: list[str] | None = None) -> None:
     json_path = out.with_suffix(".json")
     results = json.loads(json_path.read_text()) if json_path.exists() and not args.quick else {}
     earlier = results.get("commands") or ([results["command"]] if "command" in results else [])
-    results.update(git_commit=git_commit(), date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                   command="python -m bench.nowcast_heldout " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
+    results.update(run_metadata("python -m bench.nowcast_heldout "
+                                + " ".join(argv if argv is not None else __import__("sys").argv[1:])),
                    steps=args.steps, spacing=args.spacing, call_every=args.call_every, eval_every=args.eval_every,
                    schedule=list(SCHEDULE), threads=1,
                    nowcasters={k: dict(variant=v.variant, params=sum(p.numel() for p in v.parameters()),

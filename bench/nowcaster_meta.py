@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from bench import nowcaster_family as fam
+from bench.protocol import run_metadata
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNS = ROOT / "results-tmp" / "nowcaster_runs"
@@ -201,7 +202,8 @@ def cmd_train(args: argparse.Namespace) -> None:
         steps=step, val_rel_error_untrained=base, val_rel_error=final, spacing=runs[0].spacing))
     report = dict(variant=args.variant, steps=step, horizons=list(model.horizons), val_untrained=base,
                   val=final, train_last=sum(history[-200:]) / max(1, len(history[-200:])),
-                  git_commit=git_commit(), out=str(out))
+                  out=str(out), **run_metadata(f"python -m bench.nowcaster_meta train --variant {args.variant} "
+                                               f"--minutes {args.minutes}"))
     print(json.dumps(report), flush=True)
     if args.report:
         Path(args.report).write_text(json.dumps(report, indent=1))

@@ -34,7 +34,6 @@ each recording the git commit and whether the tree was dirty.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import gc
 import json
 import os
@@ -50,6 +49,8 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+
+from bench.protocol import run_metadata
 
 ROOT = Path(__file__).resolve().parent.parent
 ARMS: dict[str, dict[str, Any] | None] = {
@@ -359,12 +360,6 @@ def run_memory_child(model_name: str, arm: str, device: str, steps: int, n_batch
 
 
 # ================================================================================ report ====
-def git_state() -> dict[str, Any]:
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    return dict(commit=git("rev-parse", "HEAD") or None, dirty=bool(git("status", "--porcelain")))
-
-
 def compare(plain: dict, arm: dict) -> dict[str, Any]:
     """Ratios and differences of one trainer arm against the plain loop, from the measurements."""
     out: dict[str, Any] = {}
@@ -469,8 +464,8 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.steps if args.steps is not None else (20 if args.quick else 400)
     memory_steps = args.memory_steps if args.memory_steps is not None else (30 if args.quick else 120)
     command = "python -m bench.overhead " + " ".join(sys.argv[1:] if argv is None else argv)
-    results: dict[str, Any] = dict(command=command.strip(), date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                                   git=git_state(), torch=torch.__version__, device=str(device),
+    meta = run_metadata(command)
+    results: dict[str, Any] = dict(meta, git=dict(commit=meta["git_commit"], dirty=meta["git_dirty"]), device=str(device),
                                    host=platform.node(), threads=torch.get_num_threads(), models={},
                                    settings=dict(warmup=warmup, steps=steps, chunk=args.chunk,
                                                  memory_steps=memory_steps, batches=args.batches))
