@@ -62,6 +62,30 @@ def atomic_save(obj, path: str | os.PathLike) -> Path:
     return path
 
 
+# Plain-data classes some third-party optimizers keep in their state (low-rank projectors of
+# GaLore and APOLLO: tensors and numbers in their attributes), allowed when their package is
+# installed so a checkpoint of such an optimizer loads with weights_only=True.
+OPTIMIZER_STATE_CLASSES = (("galore_torch.galore_projector", "GaLoreProjector"),
+                           ("apollo_torch.random_projector", "GradientProjector"),
+                           ("apollo_torch.svd_projector", "GaLoreProjector"))
+
+
+def _optimizer_state_classes() -> list[type]:
+    import importlib
+    import sys
+
+    found = []
+    for module_name, name in OPTIMIZER_STATE_CLASSES:
+        if module_name.split(".")[0] in sys.modules:  # only packages the run already uses
+            try:
+                found.append(getattr(importlib.import_module(module_name), name))
+            except (ImportError, AttributeError):
+                pass
+    return found
+
+
 def load(path: str | os.PathLike, map_location=None):
-    """Load a checkpoint written by :func:`atomic_save` (tensors, numbers, strings, containers only)."""
-    return torch.load(path, map_location=map_location, weights_only=True)
+    """Load a checkpoint written by :func:`atomic_save` (tensors, numbers, strings, containers
+    only, and the optimizer-state classes of :data:`OPTIMIZER_STATE_CLASSES`)."""
+    with torch.serialization.safe_globals(_optimizer_state_classes()):
+        return torch.load(path, map_location=map_location, weights_only=True)

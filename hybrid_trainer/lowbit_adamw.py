@@ -81,6 +81,9 @@ class LowBitAdamW(torch.optim.Optimizer):
         total = sum(p.numel() for group in self.param_groups for p in group["params"])
         self.compiled = (total >= COMPILE_MIN_NUMEL) if compiled is None else bool(compiled)
         self._index: dict[int, int] | None = None
+        # The optimizer this one replaces (the memory plan's conversion): an LR scheduler built over
+        # it shares its param groups and looks at it for the "optimizer stepped" mark.
+        self.stands_in_for: torch.optim.Optimizer | None = None
 
     # ------------------------------------------------------------------------------ state ----
     def load_state_dict(self, state_dict: dict) -> None:
@@ -111,7 +114,7 @@ class LowBitAdamW(torch.optim.Optimizer):
         state = self.state[p]
         if state:
             return state
-        state["step"] = 0
+        state["step"] = torch.zeros((), dtype=torch.int64)  # a tensor: snapshots copy it in place
         bits = group["state_bits"]
         if bits is None:
             state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
@@ -152,7 +155,9 @@ class LowBitAdamW(torch.optim.Optimizer):
             raise ValueError("LowBitAdamW: sparse gradients are not supported")
         state = self._init_state(p, group)
         state["step"] += 1
-        step = state["step"]
+        step = int(state["step"])
+        if self.stands_in_for is not None:
+            self.stands_in_for._opt_called = True
         beta1, beta2 = group["betas"]
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
         if wd and not group["decoupled_weight_decay"]:  # Adam: L2 penalty on the gradient

@@ -203,11 +203,27 @@ class _Setting:
 # Cheapest first: the step inside the backward costs no quality; 8-bit state costs little; bf16
 # weights with stochastic rounding some; 4-bit state the most (docs/memory.md, loss parity).
 _ORDER = [(False, None, False), (True, None, False), (False, 8, False), (True, 8, False), (True, 8, True),
-          (False, 8, True), (True, 4, False), (True, 4, True), (False, 4, False), (False, 4, True)]
+          (False, 8, True), (True, 4, False), (True, 4, True), (False, 4, False), (False, 4, True),
+          # bf16 weights with fp32 moments: never smaller than an earlier setting, there for the knobs
+          (False, None, True), (True, None, True)]
+
+
+def predictor_allocates_eagerly() -> bool:
+    """Whether the trainer's update predictor allocates its two fp32 vectors at construction
+    (then they cost 8 bytes/param even with ``predict=False``) or only once it records."""
+    from .predictor import DeltaPredictor
+
+    probe = DeltaPredictor([torch.zeros(4, requires_grad=True)])
+    return getattr(probe, "_ema_flat", None) is not None
+
+
+# The trainer's fixed buffers (dynamics model, history rings, counters), measured on the CPU as
+# the RSS its construction adds besides the predictor's vectors: ~25 MiB.
+TRAINER_FIXED_BYTES = 32 * 1024 ** 2
 
 
 def plan_memory(params: list[torch.Tensor], optimizer: torch.optim.Optimizer, config, *,
-                in_use_bytes: int, activation_bytes: int | None) -> MemoryPlan:
+                in_use_bytes: int, activation_bytes: int | None, predictor_eager: bool = False) -> MemoryPlan:
     """Choose techniques for ``config`` (its explicit knobs are kept; with ``memory_budget`` the
     cheapest setting in ``_ORDER`` that fits is chosen among those compatible with them).
     ``in_use_bytes``: memory in use now; ``activation_bytes``: from
@@ -255,13 +271,11 @@ def plan_memory(params: list[torch.Tensor], optimizer: torch.optim.Optimizer, co
         wbytes = 2 if setting.bf16 else 4
         weights = n * wbytes
         state = int(n * _state_bytes_per_param(setting.bits, optimizer, as_lowbit))
-        trainer = 0
-        if config.good_state_every:
-            trainer += weights + state
-        if config.predict:
-            trainer += 8 * n + weights
-        if config.weight_average:
-            trainer += 8 * n
+        good_state = weights + state if config.good_state_every else 0
+        predictor = 8 * n if (config.predict or predictor_eager) else 0
+        anchor = weights if config.predict else 0
+        average = 8 * n if config.weight_average else 0
+        trainer = good_state + predictor + anchor + average + TRAINER_FIXED_BYTES
         grads_all = n * wbytes
         if setting.step_in_backward:
             backward_grads = step_grads = 2 * largest * wbytes
@@ -272,7 +286,9 @@ def plan_memory(params: list[torch.Tensor], optimizer: torch.optim.Optimizer, co
         transient = max(acts + backward_grads, step_grads + update_temp)
         peak = in_use_bytes - weights_now + weights + state + trainer + transient
         breakdown = dict(in_use_at_planning=in_use_bytes, weights=weights, weights_before=weights_now,
-                         optimizer_state=state, trainer_buffers=trainer, activations=acts,
+                         optimizer_state=state, trainer_buffers=trainer, good_state=good_state,
+                         predictor=predictor, anchor=anchor, weight_average=average, transient=transient,
+                         activations=acts,
                          gradients_at_peak=backward_grads if acts + backward_grads >= step_grads + update_temp
                          else step_grads, update_temporaries=update_temp)
         return peak, breakdown
@@ -314,7 +330,7 @@ def plan_memory(params: list[torch.Tensor], optimizer: torch.optim.Optimizer, co
     if chosen.bf16:
         given_up.append("bit-identical results to an fp32 run (weights are bf16, rounded stochastically; "
                         "resume stays bit-exact)")
-    per_param = (parts["weights"] + parts["optimizer_state"] + parts["trainer_buffers"]
+    per_param = (parts["weights"] + parts["optimizer_state"] + parts["trainer_buffers"] - TRAINER_FIXED_BYTES
                  + (0 if chosen.step_in_backward else n * (2 if chosen.bf16 else 4))) / max(n, 1)
     plan = MemoryPlan(techniques=chosen.techniques, optimizer_state_bits=chosen.bits,
                       step_in_backward=chosen.step_in_backward, weight_dtype="bfloat16" if chosen.bf16 else "float32",
@@ -322,6 +338,20 @@ def plan_memory(params: list[torch.Tensor], optimizer: torch.optim.Optimizer, co
                       step_time_factor=chosen.time_factor, breakdown=parts, guarantees_given_up=given_up,
                       notes=notes + [f"not usable here: {b}" for b in blocked])
     logger.info(plan.summary())
+    return plan
+
+
+def refine_plan(plan: MemoryPlan, in_use_bytes: int, predictor_bytes_present: int) -> MemoryPlan:
+    """The predicted peak again, from the memory in use once the trainer is built (weights
+    converted, its fixed buffers allocated): what is still to come is the optimizer state, the
+    lazily allocated snapshots and the step's transient memory. The choice stays."""
+    b = plan.breakdown
+    b["in_use_after_construction"] = in_use_bytes
+    b["estimate_at_planning"] = plan.predicted_peak_bytes
+    plan.predicted_peak_bytes = int(in_use_bytes + b["optimizer_state"] + b["good_state"] + b["anchor"]
+                                    + b["weight_average"] + max(0, b["predictor"] - predictor_bytes_present)
+                                    + b["transient"])
+    logger.info("memory plan refined after construction: predicted peak %.3f GiB", plan.predicted_peak_bytes / 1024 ** 3)
     return plan
 
 
@@ -359,20 +389,22 @@ def setup_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer, param
     acts = None
     if example_batch is not None:
         acts = measure_activation_bytes(model, loss_fn, example_batch, autocast)
-    plan = plan_memory(params, optimizer, config, in_use_bytes=memory_in_use(device), activation_bytes=acts)
+    plan = plan_memory(params, optimizer, config, in_use_bytes=memory_in_use(device), activation_bytes=acts,
+                       predictor_eager=predictor_allocates_eagerly())
     needs_lowbit = plan.step_in_backward or plan.optimizer_state_bits is not None or plan.weight_dtype == "bfloat16"
     if needs_lowbit or (isinstance(optimizer, LowBitAdamW) and optimizer.defaults["state_bits"]
                         != plan.optimizer_state_bits):
         if any(optimizer.state.get(p) for p in params):
             raise ValueError(f"optimizer: {type(optimizer).__name__} has already stepped; the memory plan "
                              f"rebuilds it with low-bit state, so pass it before its first step")
-        defaults = optimizer.defaults
+        defaults, original = optimizer.defaults, optimizer
         optimizer = LowBitAdamW(optimizer.param_groups, lr=defaults["lr"], betas=defaults["betas"],
                                 eps=defaults["eps"], weight_decay=defaults["weight_decay"],
                                 state_bits=plan.optimizer_state_bits,
                                 decoupled_weight_decay=bool(defaults.get("decoupled_weight_decay",
                                                                           isinstance(optimizer, torch.optim.AdamW))),
                                 seed=config.seed)
+        optimizer.stands_in_for = original
         for group in optimizer.param_groups:  # the plan's bits for every group, also ones that carried others
             group["state_bits"] = plan.optimizer_state_bits
             group["block_size"] = DEFAULT_BLOCK[plan.optimizer_state_bits] if plan.optimizer_state_bits else 256

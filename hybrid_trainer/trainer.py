@@ -46,6 +46,7 @@ from .distributed import RankSync, unwrap
 from .divergence import DivergenceMonitor, Severity
 from .dynamics import DynamicsModel
 from .memory import MemoryProfiler, VRAMGuard, default_reader
+from .memory_plan import memory_in_use, refine_plan, setup_memory
 from .metrics import MetricsLogger, plot_run
 from .offload import StateOffloader
 from .normalizer import RunningNormalizer
@@ -139,11 +140,13 @@ class HybridTrainer:
         loss_fn: ``loss_fn(model, batch) -> 0-d tensor`` (see module docstring).
         config: :class:`HybridConfig` (defaults if None).
         scheduler: optional LR scheduler, stepped after each real optimizer step.
+        example_batch: a batch like those ``step`` will get, for the memory plan's activation
+            probe (one forward, no update); None: activations are not counted in the plan.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], config: HybridConfig | None = None,
-                 scheduler: Any | None = None):
+                 scheduler: Any | None = None, example_batch: Any = None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -179,6 +182,15 @@ class HybridTrainer:
         self.ranks.check_same("config", {k: v for k, v in config.to_dict().items()
                                          if k not in ("metrics_path", "emergency_checkpoint_path")})
 
+        # --- memory plan (hybrid_trainer.memory_plan): may store the weights in bf16, rebuild the
+        # optimizer as LowBitAdamW over the same param groups and step inside the backward.
+        memory = setup_memory(model, optimizer, self.params, loss_fn, config, example_batch)
+        self.memory_plan, self.optimizer, self.in_backward = memory.plan, memory.optimizer, memory.in_backward
+        self._plan_autocast = memory.autocast_dtype
+        if self.in_backward is not None and self.ranks.active:
+            raise ValueError("HybridConfig.step_in_backward: under DistributedDataParallel a parameter's hook "
+                             "fires before DDP has averaged its gradient across ranks; use step_in_backward=False")
+        # --- end memory plan
         self.weight_average = None
         self._track(self.params, self._outside_model)
         self.history = hk.StateHistory(device=self.device)
@@ -223,6 +235,10 @@ class HybridTrainer:
         # Where a read waits for nothing there is nothing to overlap: the device-side skip's extra
         # ops would only add work to every step (a CPU's sub-millisecond MLP steps notice it).
         self._overlap_guard = not _reads_are_free(self.device)
+        # memory plan: the prediction again from what the built trainer holds now
+        refine_plan(self.memory_plan, memory_in_use(self.device), self.predictor.buffer_bytes()
+                    if hasattr(self.predictor, "buffer_bytes") else
+                    sum(t.numel() * t.element_size() for t in vars(self.predictor).values() if isinstance(t, torch.Tensor)))
 
     # ================================================================================ step ====
     def step(self, batch: Any) -> StepResult:
@@ -422,7 +438,7 @@ class HybridTrainer:
         return batch
 
     def _autocast(self):
-        dtype = self.config.autocast_dtype
+        dtype = self.config.autocast_dtype or self._plan_autocast  # bf16 weights run a bf16 forward
         if dtype is None:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=getattr(torch, dtype))
@@ -464,6 +480,10 @@ class HybridTrainer:
                 loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
                 if last:  # every decision below reads the mean over all ranks' data; it travels during the backward
                     mean_loss = self.ranks.start_mean(loss_sum)
+                if self.in_backward is not None:  # memory plan: the update runs inside this backward
+                    if not math.isfinite(float(loss.detach())):
+                        continue  # a non-finite loss: no backward, so no update at all (refused below)
+                    self.in_backward.arm()
                 # Every micro-batch goes backward, even after a non-finite loss (the update is
                 # refused below): reading the loss here would stall a GPU's queue once more per step.
                 (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
@@ -474,6 +494,10 @@ class HybridTrainer:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         norm = self._grad_norm()
+        partly_applied = False
+        if self.in_backward is not None:  # memory plan: the hooks measured the norm and updated
+            in_backward_norm, partly_applied = self.in_backward.finish()
+            norm = torch.tensor(in_backward_norm)
         # The guard's read waits for the device; with a skip on the device it can wait while the
         # optimizer step runs (see _guarded_on_device) instead of before it is launched.
         overlapped = self._guarded_on_device(record)
@@ -487,6 +511,9 @@ class HybridTrainer:
             grad_for_check = grad_norm
         report = self.monitor.check(total, grad_for_check)
         if report.critical:
+            if partly_applied and self.good_state.is_set:  # memory plan: undo the finite updates already made
+                self.good_state.restore(self.optimizer)
+                self.stats.divergence_rollbacks += 1
             return self._refuse_update(phase, total, grad_norm, lr, report)
 
         if record:
@@ -497,7 +524,7 @@ class HybridTrainer:
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
-        elif not overlapped:
+        elif not overlapped and self.in_backward is None:  # memory plan: already stepped inside the backward
             self.optimizer.step()
         self.stats.optimizer_steps += 1
         if self.weight_average is not None:
@@ -877,6 +904,7 @@ class HybridTrainer:
                 "unverified_steps": self._unverified_steps,
             },
             "rng": checkpoint.capture_rng(),
+            "memory_plan": self.memory_plan.to_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -889,6 +917,11 @@ class HybridTrainer:
             raise ValueError(f"checkpoint: saved by a trainer training {saved[0]} parameter tensors ({saved[1]} "
                              f"values), this one trains {here[0]} ({here[1]}): freeze and unfreeze as the saved "
                              f"run had before constructing the trainer that loads it")
+        saved_plan = state.get("memory_plan")
+        if saved_plan is not None and saved_plan["techniques"] != self.memory_plan.techniques:
+            raise ValueError(f"checkpoint: saved by a run with memory techniques {saved_plan['techniques']}, this "
+                             f"trainer planned {self.memory_plan.techniques}; set optimizer_state_bits, "
+                             f"step_in_backward and weight_dtype to the saved run's to resume it")
         module = unwrap(self.model)
         module.load_state_dict(_without_ddp_prefix(state["model"], module))
         with torch.no_grad():
