@@ -904,7 +904,7 @@ class HybridTrainer:
                 "unverified_steps": self._unverified_steps,
             },
             "rng": checkpoint.capture_rng(),
-            "memory_plan": self.memory_plan.to_dict(),
+            "memory_plan": {"techniques": list(self.memory_plan.techniques)},  # what resume must plan alike
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
