@@ -361,6 +361,67 @@ def parity(arms: list[str], seeds: list[int], steps: dict[str, int] | None) -> d
     return out
 
 
+# ------------------------------------------------------------------ optimizer speed/fidelity ----
+SPEED_OPTIMIZERS = {
+    "torch AdamW (fp32, foreach)": lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01),
+    "LowBitAdamW 8-bit eager": lambda p: _lowbit(p, 8, False),
+    "LowBitAdamW 8-bit compiled": lambda p: _lowbit(p, 8, True),
+    "LowBitAdamW 4-bit eager": lambda p: _lowbit(p, 4, False),
+    "LowBitAdamW 4-bit compiled": lambda p: _lowbit(p, 4, True),
+    "torchao AdamW8bit": lambda p: __import__("torchao.optim", fromlist=["x"]).AdamW8bit(p, lr=1e-3, weight_decay=0.01),
+    "torchao AdamW4bit": lambda p: __import__("torchao.optim", fromlist=["x"]).AdamW4bit(p, lr=1e-3, weight_decay=0.01),
+    "bitsandbytes AdamW8bit": lambda p: __import__("bitsandbytes").optim.AdamW8bit(p, lr=1e-3, weight_decay=0.01),
+}
+
+
+def _lowbit(params, bits, compiled):
+    from hybrid_trainer.lowbit_adamw import LowBitAdamW
+
+    return LowBitAdamW(params, lr=1e-3, weight_decay=0.01, state_bits=bits, compiled=compiled)
+
+
+def optimizer_speed(numel: int = 4 * 2 ** 20, fidelity_numel: int = 1 << 17, fidelity_steps: int = 50) -> dict:
+    """ns per parameter of one optimizer step on one fp32 tensor of ``numel`` values (median of 5
+    after 3 warm-up steps: torch.compile and torchao's compile happen in the warm-up), and the
+    update fidelity: relative error and cosine of the summed update after ``fidelity_steps``
+    steps on a noisy gradient stream against torch's fp32 AdamW on the same stream."""
+    torch.set_num_threads(1)
+    out = {}
+    gen = torch.Generator().manual_seed(0)
+    w0 = torch.randn(fidelity_numel, generator=gen) * 0.02
+    spread = torch.rand(fidelity_numel, generator=gen) * 2
+    stream = [torch.randn(fidelity_numel, generator=gen) * spread * 1e-2 + 1e-3 for _ in range(fidelity_steps)]
+    ref = nn.Parameter(w0.clone())
+    ref_opt = torch.optim.AdamW([ref], lr=1e-3, weight_decay=0.01)
+    for g in stream:
+        ref.grad = g.clone()
+        ref_opt.step()
+    du_ref = ref.detach() - w0
+    for name, make in SPEED_OPTIMIZERS.items():
+        try:
+            p = nn.Parameter(torch.randn(numel) * 0.02)
+            opt = make([p])
+            p.grad = torch.randn(numel) * 1e-2
+            times = []
+            for i in range(8):
+                started = time.perf_counter()
+                opt.step()
+                times.append(time.perf_counter() - started)
+            q = nn.Parameter(w0.clone())
+            qopt = make([q])
+            for g in stream:
+                q.grad = g.clone()
+                qopt.step()
+            du = q.detach() - w0
+            out[name] = {"ns_per_param": 1e9 * statistics.median(times[3:]) / numel,
+                         "update_rel_error": float((du - du_ref).norm() / du_ref.norm()),
+                         "update_cosine": float(nn.functional.cosine_similarity(du, du_ref, dim=0))}
+        except Exception as error:  # noqa: BLE001 - reported
+            out[name] = {"error": f"{type(error).__name__}: {error}"[:300]}
+        print(f"speed {name:32s} {out[name]}", flush=True)
+    return {"numel": numel, "fidelity_numel": fidelity_numel, "fidelity_steps": fidelity_steps, "rows": out}
+
+
 # ------------------------------------------------------------------------------ big run ----
 def mem_available() -> int:
     return int(re.search(r"MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text()).group(1)) * 1024
@@ -440,6 +501,19 @@ def markdown(result: dict[str, Any]) -> str:
                              f"{r['predicted_peak'] / 2**20:.0f} MiB | {r['peak_rss'] / 2**20:.0f} MiB | "
                              f"{100 * (r['predicted_peak'] / r['peak_rss'] - 1):+.1f}% |")
         lines.append("")
+    sp = result.get("speed")
+    if sp:
+        lines += ["## Optimizer step speed and update fidelity on this CPU (1 thread)", "",
+                  f"One step on one {sp['numel'] / 2**20:.0f}M-value fp32 tensor (ns/param, median of 5 after 3 "
+                  f"warm-up steps); fidelity: the summed update of {sp['fidelity_steps']} steps on a noisy gradient "
+                  "stream against torch's fp32 AdamW (relative error, cosine).", "",
+                  "| optimizer | ns/param | update rel. error | update cosine |", "|---|---|---|---|"]
+        for name, r in sp["rows"].items():
+            if "error" in r:
+                lines.append(f"| {name} | {r['error'][:120]} | | |")
+            else:
+                lines.append(f"| {name} | {r['ns_per_param']:.1f} | {r['update_rel_error']:.3f} | {r['update_cosine']:.4f} |")
+        lines.append("")
     par = result.get("parity")
     if par:
         lines += ["## Loss parity (final validation loss, mean ± std over seeds; gap vs fp32 AdamW)", ""]
@@ -492,7 +566,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--probe", help=argparse.SUPPRESS)
-    parser.add_argument("--part", choices=["all", "sweep", "planner", "parity"], default="all")
+    parser.add_argument("--part", choices=["all", "speed", "sweep", "planner", "parity"], default="all")
     parser.add_argument("--arms", nargs="*", default=None, help="sweep/parity arms (default: all)")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--sweep-steps", type=int, default=4)
@@ -524,6 +598,8 @@ def main(argv: list[str] | None = None) -> int:
     result = json.loads(path.read_text()) if path.exists() and args.part != "all" else {}
     result.update(meta)
     arms = args.arms or list(ARMS)
+    if args.part in ("all", "speed"):
+        result["speed"] = optimizer_speed()
     if args.part in ("all", "sweep"):
         result["sweep"] = sweep(arms, args.sweep_steps)
     if args.part in ("all", "planner"):

@@ -48,7 +48,7 @@ def verifications(task, seed: int, lr: float, steps: int) -> tuple[list[dict], d
             horizon = ctl.phase_step + 1
             dynamics = trainer.dynamics
             # The forecast is the one the phase started from: it is refreshed on real steps only.
-            model_conf = dynamics.confidence(trainer._forecast, min(horizon, dynamics.horizon),
+            model_conf = dynamics.confidence(trainer.forecaster.forecast, min(horizon, dynamics.horizon),
                                              trainer.loss_trend.noise_std)
             estimate = ctl.acceptance_estimate()
             scores = dict(step=trainer.step_count, horizon=horizon, phase_length=ctl.length,

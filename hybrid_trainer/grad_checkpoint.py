@@ -119,3 +119,20 @@ class GradientCheckpointing:
 
     def __repr__(self) -> str:
         return f"GradientCheckpointing(active={self.active}, wrapped={self.wrapped})"
+
+
+def from_config(model: nn.Module, config) -> "GradientCheckpointing | None":
+    """The gradient checkpointing ``config`` (a :class:`~hybrid_trainer.HybridConfig`) asks for
+    on ``model`` (``checkpoint_modules`` or ``checkpoint_module_type``), or None."""
+    if config.checkpoint_modules is None and config.checkpoint_module_type is None:
+        return None
+    module_type = None
+    if config.checkpoint_module_type is not None:
+        types = {type(m) for m in model.modules() if type(m).__name__ == config.checkpoint_module_type}
+        if not types:
+            names = sorted({type(m).__name__ for m in model.modules()})
+            raise ValueError(f"HybridConfig.checkpoint_module_type={config.checkpoint_module_type!r}: no submodule "
+                             f"of that class; the model has {names[:12]}")
+        module_type = tuple(types)
+    return GradientCheckpointing(model, modules=config.checkpoint_modules,
+                                 every_nth=config.checkpoint_every_nth, module_type=module_type)

@@ -97,14 +97,14 @@ def test_gpu_timings_synchronise_only_while_their_part_calibrates(monkeypatch):
     trainer = HybridTrainer(model, torch.optim.AdamW(model.parameters()), cross_entropy)
     synchronised = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synchronised.append(device))
-    trainer._clock("recording")
+    trainer.worth.clock("recording")
     assert synchronised == []  # a CPU run never synchronises
-    trainer.device = torch.device("cuda", 0)  # the clock's view only: no tensor moves
-    trainer._clock("recording")
+    trainer.worth.device = torch.device("cuda", 0)  # the clock's view only: no tensor moves
+    trainer.worth.clock("recording")
     assert synchronised == [torch.device("cuda", 0)]
     calibrate(trainer.cost, "recording", [1e-3] * CALIBRATION_STEPS["recording"])
-    trainer._clock("recording")
-    trainer._clock("core")  # still calibrating
+    trainer.worth.clock("recording")
+    trainer.worth.clock("core")  # still calibrating
     assert len(synchronised) == 2
 
 
@@ -120,7 +120,7 @@ def test_only_recording_steps_synchronise_and_only_while_calibrating(monkeypatch
         synchronised.clear()
         model = mlp(0)
         trainer = HybridTrainer(model, torch.optim.AdamW(model.parameters(), lr=3e-3), cross_entropy, config=config)
-        trainer.device = torch.device("cuda", 0)  # the clock's view only: the tensors stay on the CPU
+        trainer.worth.device = torch.device("cuda", 0)  # the clock's view only: the tensors stay on the CPU
         per_step = []
         for batch in stream[:steps]:
             before = len(synchronised)

@@ -8,7 +8,7 @@ import torch
 from hybrid_trainer import HybridConfig
 from hybrid_trainer.in_backward import StepInBackward
 from hybrid_trainer.lowbit_adamw import LowBitAdamW
-from hybrid_trainer.memory_plan import parse_bytes, plan_memory
+from hybrid_trainer.memory_plan import TRAINER_FIXED_BYTES, parse_bytes, plan_memory
 
 
 @pytest.mark.parametrize("text,expected", [("20GiB", 20 * 1024 ** 3), ("1.5GB", 1_500_000_000), ("512 MiB", 512 << 20),
@@ -48,18 +48,18 @@ def test_planner_picks_cheapest_that_fits():
     plain = plan_memory(params, opt, cfg, in_use_bytes=base, activation_bytes=0)
     assert plain.techniques == [] and plain.bytes_per_param == pytest.approx(16.0)
     # fp32 AdamW: weights 4 + grads 4 + state 8 + foreach temporary 4 = 20 bytes/param at the step
-    assert plain.predicted_peak_bytes == base - 4_000_000 + 20_000_000
+    assert plain.predicted_peak_bytes == base - 4_000_000 + 20_000_000 + TRAINER_FIXED_BYTES
     # bytes/param at the peak: in-backward 12.08, 8-bit 10.03, both 6.11, + bf16 4.07, 4-bit + bf16 3.10
     sib, b8, b4, bf16 = "step_in_backward", "optimizer_state_bits=8", "optimizer_state_bits=4", \
         "weight_dtype=bfloat16 (stochastic rounding)"
     budgets = {12_500_000: [sib], 11_000_000: [b8], 7_000_000: [sib, b8], 4_500_000: [sib, b8, bf16],
                3_500_000: [sib, b4, bf16]}
     for extra, expected in budgets.items():
-        cfg = HybridConfig(predict=False, good_state_every=0, memory_budget=base - 4_000_000 + extra)
+        cfg = HybridConfig(predict=False, good_state_every=0, memory_budget=base - 4_000_000 + extra + TRAINER_FIXED_BYTES)
         plan = plan_memory(params, opt, cfg, in_use_bytes=base, activation_bytes=0)
         assert plan.techniques == expected and plan.predicted_peak_bytes <= plan.budget_bytes
     with pytest.raises(ValueError, match="memory_budget.*nothing fits.*over the budget"):
-        plan_memory(params, opt, HybridConfig(predict=False, good_state_every=0, memory_budget=base - 2_000_000),
+        plan_memory(params, opt, HybridConfig(predict=False, good_state_every=0, memory_budget=base - 2_000_000 + TRAINER_FIXED_BYTES),
                     in_use_bytes=base, activation_bytes=0)
 
 

@@ -11,6 +11,7 @@ import torch
 
 import hybrid_kernels as hk
 from hybrid_trainer import HybridConfig, HybridTrainer, Phase
+from hybrid_trainer import checkpoint
 from hybrid_trainer.anchor import buffer_slots
 
 from _configs import ALWAYS, FAST
@@ -249,6 +250,34 @@ def test_resume_reproduces_the_uninterrupted_run_bit_exactly(stream, tmp_path):
     for a, b in zip(ref_results[cut:], resumed_results):
         assert (a.phase, a.loss, a.accepted, a.rolled_back) == (b.phase, b.loss, b.accepted, b.rolled_back)
     assert reference.statistics()["predicted_steps"] == resumed.statistics()["predicted_steps"]
+
+
+def _as_version_1(state):
+    """``state`` in the layout the trainer wrote as checkpoint version 1: the worth, forecast
+    and predict-phase entries inside its ``trainer`` entry."""
+    state = dict(state, version=1)
+    loop = dict(state.pop("trainer"), forecast=state.pop("forecast"), **state.pop("worth"))
+    phase = state.pop("predict_phase")
+    state["trainer"] = {**loop, **phase}
+    return state
+
+
+def test_a_version_1_checkpoint_resumes_as_exactly_as_the_current_layout(stream, tmp_path):
+    first = make_trainer(**ALWAYS)
+    for b in stream[:37]:
+        first.step(b)
+    assert first.predicted_worth is not None and first.dynamics.train_steps > 0  # entries v1 held elsewhere
+    checkpoint.atomic_save(_as_version_1(first.state_dict()), tmp_path / "v1.pt")
+    resumed = make_trainer(seed=123, **ALWAYS)
+    resumed.load(tmp_path / "v1.pt")
+    assert_same_state(resumed.state_dict(), first.state_dict())
+    bad = dict(first.state_dict(), version=99)
+    with pytest.raises(ValueError, match="version 99"):
+        make_trainer(**ALWAYS).load_state_dict(bad)
+    incomplete = first.state_dict()
+    del incomplete["worth"]
+    with pytest.raises(ValueError, match="worth"):
+        make_trainer(**ALWAYS).load_state_dict(incomplete)
 
 
 def test_load_restores_every_random_stream_the_saved_run_would_have_drawn(stream, tmp_path):
@@ -622,11 +651,11 @@ def test_refused_step_under_fp16_grad_scaling_leaves_the_scaler_usable(stream):
 def test_a_queueing_device_gets_one_host_read_per_real_step(stream, monkeypatch):
     # On a GPU every read of a value waits for the queued work; the step reads its loss and its
     # gradient norm together. Emulated on the CPU: values and weights must equal the CPU path's.
-    import hybrid_trainer.trainer as trainer_module
+    import hybrid_trainer.step_guard as step_guard
 
     plain = make_trainer(predict=False)
     reference = [plain.step(b) for b in stream[:12]]
-    monkeypatch.setattr(trainer_module, "_reads_are_free", lambda device: False)
+    monkeypatch.setattr(step_guard, "reads_are_free", lambda device: False)
     merged = make_trainer(predict=False)
     reads = {"n": 0}
     for name in ("item", "tolist", "__float__"):
@@ -655,16 +684,16 @@ def test_fused_optimizer_steps_before_the_read_and_refuses_exactly_as_the_plain_
     def run(overlap: bool):
         trainer = make_trainer(opt="adamw-fused", device=device, predict=False, good_state_every=5,
                                divergence={"min_history": 5})
-        assert trainer._overlap_guard == (device == "cuda")  # a CPU read waits for nothing: no overlap there
-        trainer._overlap_guard = overlap  # the CPU runs the overlapped logic too, to check it
+        assert trainer.guard.overlap == (device == "cuda")  # a CPU read waits for nothing: no overlap there
+        trainer.guard.overlap = overlap  # the CPU runs the overlapped logic too, to check it
         calls = {"n": 0, "overlapped": 0}
-        step_then_read = trainer._step_then_read
+        step_then_read = trainer.guard.step_then_read
 
         def counted(*args):
             calls["overlapped"] += 1
             return step_then_read(*args)
 
-        trainer._step_then_read = counted
+        trainer.guard.step_then_read = counted
 
         def loss_fn(model, batch):
             calls["n"] += 1
@@ -834,7 +863,7 @@ def test_resume_follows_the_resuming_config_on_predict(stream, tmp_path, saved_p
 
 
 def test_grad_norm_matches_torch_and_reports_non_finite():
-    from hybrid_trainer.trainer import grad_norm_tensor
+    from hybrid_trainer.step_guard import grad_norm_tensor
 
     torch.manual_seed(0)
     grads = [torch.randn(33, 7), torch.randn(5), torch.randn(2, 3, 4)]
@@ -914,9 +943,9 @@ def test_worth_is_the_predicted_gain_in_units_of_a_real_steps_loss_decrease(monk
     gains, slopes = iter([0.03, 0.01, 0.02]), iter([-0.1, -0.1, 0.05])
     monkeypatch.setattr(trainer.predictor, "predicted_gain", lambda grads: next(gains))
     monkeypatch.setattr(trainer.loss_trend, "slope", lambda: next(slopes))
-    trainer._measure_worth()
+    trainer.worth.measure(trainer.predictor, [p.grad for p in trainer.params], trainer.loss_trend)
     assert trainer.predicted_worth == pytest.approx(0.3)
-    trainer._measure_worth()
+    trainer.worth.measure(trainer.predictor, [p.grad for p in trainer.params], trainer.loss_trend)
     assert trainer.predicted_worth == pytest.approx((0.9 * 0.03 + 0.1 * 0.01) / 0.1)
-    trainer._measure_worth()
+    trainer.worth.measure(trainer.predictor, [p.grad for p in trainer.params], trainer.loss_trend)
     assert trainer.predicted_worth == 0.0
