@@ -71,12 +71,16 @@ class DeltaPredictor:
         self.scale_beta = scale_beta
         self.scale_max = scale_max
         device = params[0].device
+        self.device = device
         self.sizes = [p.numel() for p in params]
-        total = sum(self.sizes)
-        self._before_flat = torch.zeros(total, dtype=torch.float32, device=device)
-        self._ema_flat = torch.zeros(total, dtype=torch.float32, device=device)
-        self._before = self._views(self._before_flat)  # θ before a step; then the update u
-        self._ema = self._views(self._ema_flat)
+        self.numel = sum(self.sizes)
+        # The fp32 buffers (θ before a step, then the update u; the EMA direction) are allocated
+        # at the first recorded step and freed by release(): a trainer that never predicts, or
+        # no longer can, holds none of them (two copies of the weights).
+        self._before_flat: torch.Tensor | None = None
+        self._ema_flat: torch.Tensor | None = None
+        self._before: list[torch.Tensor] = []
+        self._ema: list[torch.Tensor] = []
         self._linear_flat: torch.Tensor | None = None
         self._linear: list[torch.Tensor] | None = None
         self._history: list[tuple[torch.Tensor, torch.Tensor]] = []  # int8 codes + block scales, oldest first
@@ -97,10 +101,35 @@ class DeltaPredictor:
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [v.view(p.shape) for v, p in zip(flat.split(self.sizes), self.params)]
 
+    @property
+    def allocated(self) -> bool:
+        """Whether the direction buffers exist (from the first recorded step until :meth:`release`)."""
+        return self._ema_flat is not None
+
+    def _allocate(self) -> None:
+        if self._ema_flat is None:
+            self._before_flat = torch.empty(self.numel, dtype=torch.float32, device=self.device)
+            self._ema_flat = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+            self._before = self._views(self._before_flat)
+            self._ema = self._views(self._ema_flat)
+
+    def release(self) -> None:
+        """Forget the recorded history and free every buffer that grows with the model (the
+        update history starts again at the next :meth:`begin_step`). For a trainer whose
+        prediction is off for good: the buffers would otherwise stay allocated for nothing."""
+        self._before_flat = self._ema_flat = self._linear_flat = self._scratch_flat = None
+        self._before, self._ema, self._linear = [], [], None
+        self._history = []
+        self._appliers.clear()
+        self._recording = False
+        self.n_updates = 0
+        self.n_scale_fits = 0  # the last scales stay readable (statistics report their mean)
+
     # -- recording real updates ------------------------------------------------------------
     @torch.no_grad()
     def begin_step(self) -> None:
         """Call right before ``optimizer.step()``."""
+        self._allocate()
         torch._foreach_copy_(self._before, self.params)  # no_grad: no detach needed (one host op per tensor on a GPU)
         self._recording = True
 
@@ -162,7 +191,7 @@ class DeltaPredictor:
 
     def _scratch(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
         if self._scratch_flat is None:
-            self._scratch_flat = torch.empty_like(self._ema_flat)
+            self._scratch_flat = torch.empty(self.numel, dtype=torch.float32, device=self.device)
             self._scratch_views = self._views(self._scratch_flat)
         return self._scratch_flat, self._scratch_views
 
@@ -241,23 +270,36 @@ class DeltaPredictor:
 
     # -- checkpoint ------------------------------------------------------------------------
     def state_dict(self) -> dict:
+        """The recorded history as CPU tensors (``ema`` None while nothing is recorded); a
+        checkpoint taken under memory pressure must not copy it on the device."""
+        cpu = lambda t: t.to("cpu", copy=True)  # noqa: E731
         return {
-            "ema": self._ema_flat.clone(),
-            "linear": None if self._linear_flat is None else self._linear_flat.clone(),
-            "history": [(c.clone(), s.clone()) for c, s in self._history],
-            "scales": self.scales.clone(),
+            "numel": self.numel,
+            "ema": None if self._ema_flat is None else cpu(self._ema_flat),
+            "linear": None if self._linear_flat is None else cpu(self._linear_flat),
+            "history": [(cpu(c), cpu(s)) for c, s in self._history],
+            "scales": cpu(self.scales),
             "n_updates": self.n_updates,
             "n_scale_fits": self.n_scale_fits,
         }
 
+    @staticmethod
+    def saved_numel(state: dict) -> int:
+        """Values a saved predictor covers (checkpoints from before ``numel`` was saved hold the EMA)."""
+        return int(state["numel"]) if "numel" in state else state["ema"].numel()
+
     def load_state_dict(self, state: dict) -> None:
-        self._ema_flat.copy_(state["ema"])
+        if state["ema"] is None:
+            self.release()
+        else:
+            self._allocate()
+            self._ema_flat.copy_(state["ema"])
         if state["linear"] is not None:
             if self._linear_flat is None:
                 self._linear_flat = torch.zeros_like(self._ema_flat)
                 self._linear = self._views(self._linear_flat)
             self._linear_flat.copy_(state["linear"])
-        device = self._ema_flat.device
+        device = self.device
         self._history = [(c.to(device), s.to(device)) for c, s in state["history"]]
         self.scales.copy_(state["scales"])
         self.n_updates = int(state["n_updates"])

@@ -42,6 +42,7 @@ from .distributed import RankSync, unwrap
 from .forecaster import StateForecaster
 from .memory import MemoryProfiler, VRAMGuard, default_reader
 from .memory_plan import memory_in_use, refine_plan, setup_memory
+from .predictor import DeltaPredictor
 from .metrics import MetricsLogger, plot_run
 from .offload import StateOffloader
 from .phases import Phase, PhaseController
@@ -516,7 +517,7 @@ class HybridTrainer:
             raise ValueError(f"checkpoint version {state.get('version')!r} is not {CHECKPOINT_VERSION} "
                              f"(nor 1, which still loads)")
         # Checked before anything loads: the predictor and snapshots hold one slot per trained tensor.
-        saved = (len(state["predictor"]["scales"]), state["predictor"]["ema"].numel())
+        saved = (len(state["predictor"]["scales"]), DeltaPredictor.saved_numel(state["predictor"]))
         here = (len(self.params), sum(p.numel() for p in self.params))
         if saved != here:
             raise ValueError(f"checkpoint: saved by a trainer training {saved[0]} parameter tensors ({saved[1]} "
