@@ -444,8 +444,12 @@ def big(budget: str, steps: int, sizes: list[str]) -> list[dict[str, Any]]:
                                                                   f"< {need / GIB:.1f} GiB needed"})
             print(rows[-1]["error"], flush=True)
             continue
+        # The smaller models check the prediction for the techniques the 4B plan needs (at their
+        # size the budget would let the planner choose plain fp32); the 4B model is planned.
+        knobs = {"memory_budget": budget} if size == "4B" else \
+            {"step_in_backward": True, "optimizer_state_bits": 4, "weight_dtype": "bfloat16"}
         spec = {"arm": "planner", "shape": list(shape), "steps": steps if size == "4B" else 3, "build_bf16": True,
-                "knobs": {"memory_budget": budget}, "lr": 3e-4, "verbose": True}
+                "knobs": knobs, "lr": 3e-4, "verbose": True}
         print(f"big run {size}: {n / 1e9:.2f}B parameters, budget {budget}", flush=True)
         row = run_probe(spec, timeout=3 * 3600)
         row["size"] = size
@@ -570,7 +574,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arms", nargs="*", default=None, help="sweep/parity arms (default: all)")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--sweep-steps", type=int, default=4)
-    parser.add_argument("--parity-steps", type=int, default=None, help="steps per parity run (default: the task's)")
+    parser.add_argument("--parity-steps-charlm", type=int, default=None, help="char-LM steps (default: the task's)")
+    parser.add_argument("--parity-steps-fashion", type=int, default=None, help="Fashion-MNIST steps (default: the task's)")
     parser.add_argument("--big", action="store_true", help="the ≥ 4B run (after 0.5B and 1B checks)")
     parser.add_argument("--big-sizes", nargs="*", default=["0.5B", "1B", "4B"])
     parser.add_argument("--budget", default="14.5GiB", help="memory_budget of the big run")
@@ -605,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.part in ("all", "planner"):
         result["planner"] = planner_part([900, 600, 400, 300], args.sweep_steps)
     if args.part in ("all", "parity"):
-        steps = {"charlm": args.parity_steps, "fashion": args.parity_steps} if args.parity_steps else None
+        steps = {k: v for k, v in (("charlm", args.parity_steps_charlm), ("fashion", args.parity_steps_fashion)) if v}
         result["parity"] = parity(arms, list(range(args.seeds)), steps)
     big_path = out / "capacity_big.json"
     if big_path.exists():
