@@ -177,7 +177,7 @@ def _update_eager(param, grad, m_codes, m_scales, v_codes, v_scales, bits, block
     flat_w, flat_g = param.view(-1), grad.reshape(-1)
     hyper = hyper_vector(lr, beta1, beta2, eps, weight_decay, bias1, bias2, param.device)
     key_t = None if key is None else torch.tensor(int(key), dtype=torch.int64)
-    blocks_fn = _blocks_fn(compiled)
+    compiled_fn = _blocks_fn(compiled)
     numel = flat_w.numel()
     per_byte = 2 if bits == 4 else 1
     chunk_blocks = max(1, CHUNK_ELEMENTS // block)
@@ -191,39 +191,19 @@ def _update_eager(param, grad, m_codes, m_scales, v_codes, v_scales, bits, block
         if pad:  # the last block is short: pad it (the pad's m and u are kept at zero)
             w = torch.nn.functional.pad(w, (0, pad))
             g = torch.nn.functional.pad(g, (0, pad))
-        index = None if key is None or (compiled and nb < chunk_blocks) else \
-            torch.arange(e0, e0 + nb * block, dtype=torch.int64).view(nb, block)
+        index = None if key is None else torch.arange(e0, e0 + nb * block, dtype=torch.int64).view(nb, block)
         c0, c1 = b0 * block // per_byte, b1 * block // per_byte
         mq, vq = m_codes[c0:c1].view(nb, -1), v_codes[c0:c1].view(nb, -1)
-        if compiled and nb < chunk_blocks:  # one shape only: a short chunk is padded to a full one
-            new_w, nmq, nms, nvq, nvs = _padded_call(blocks_fn, w.view(nb, block), g.view(nb, block), mq,
-                                                     m_scales[b0:b1], vq, v_scales[b0:b1], hyper, key_t, bits,
-                                                     pad, chunk_blocks, e0)
-        else:
-            new_w, nmq, nms, nvq, nvs = blocks_fn(w.view(nb, block), g.view(nb, block), mq, m_scales[b0:b1], vq,
-                                                  v_scales[b0:b1], index, hyper, key_t, bits, pad)
+        # Compiled for full chunks only (one shape, compiled once); a short last chunk (or a small
+        # parameter) runs the same function eagerly rather than padded to a full chunk.
+        blocks_fn = compiled_fn if nb == chunk_blocks else _update_blocks
+        new_w, nmq, nms, nvq, nvs = blocks_fn(w.view(nb, block), g.view(nb, block), mq, m_scales[b0:b1], vq,
+                                              v_scales[b0:b1], index, hyper, key_t, bits, pad)
         flat_w[e0:e1].copy_(new_w.view(-1)[: e1 - e0])
         mq.copy_(nmq)
         vq.copy_(nvq)
         m_scales[b0:b1].copy_(nms)
         v_scales[b0:b1].copy_(nvs)
-
-
-def _padded_call(blocks_fn, w, g, mq, ms, vq, vs, hyper, key, bits, pad, chunk_blocks, e0):
-    """``blocks_fn`` on ``nb`` blocks padded with zero blocks to ``chunk_blocks`` (zero codes,
-    scales and gradients stay zero), results cut back to ``nb`` blocks."""
-    nb, block = w.shape
-    extra = chunk_blocks - nb
-
-    def grow(t, value=0):
-        return torch.cat([t, torch.full((extra, *t.shape[1:]), value, dtype=t.dtype, device=t.device)])
-
-    index = torch.arange(e0, e0 + chunk_blocks * block, dtype=torch.int64).view(chunk_blocks, block) \
-        if key is not None else None
-    m_fill = 136 if bits == 4 else 0  # code 0 in both nibbles
-    out = blocks_fn(grow(w), grow(g), grow(mq, m_fill), grow(ms), grow(vq), grow(vs), index, hyper, key, bits,
-                    pad + extra * block)
-    return tuple(t[:nb] for t in out)
 
 
 # --------------------------------------------------------------------------------------------

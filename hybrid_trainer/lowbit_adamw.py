@@ -125,9 +125,10 @@ class LowBitAdamW(torch.optim.Optimizer):
         return state
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state held now (all parameters stepped so far)."""
-        return sum(t.numel() * t.element_size() for s in self.state.values() for t in s.values()
-                   if isinstance(t, torch.Tensor))
+        """Bytes of the moments held now (all parameters stepped so far; the 8-byte step
+        counter per parameter tensor left out)."""
+        return sum(t.numel() * t.element_size() for s in self.state.values() for k, t in s.items()
+                   if isinstance(t, torch.Tensor) and k != "step")
 
     # ------------------------------------------------------------------------------- step ----
     @torch.no_grad()
