@@ -8,8 +8,11 @@
 """
 from .combined_optimizer import CombinedOptimizer
 from .config import HybridConfig
+from .lowbit_adamw import LowBitAdamW
+from .memory_plan import MemoryPlan
 from .phases import Phase
 from .trainer import HybridTrainer, StepResult
 
 __version__ = "0.1.0"
-__all__ = ["CombinedOptimizer", "HybridConfig", "HybridTrainer", "Phase", "StepResult", "__version__"]
+__all__ = ["CombinedOptimizer", "HybridConfig", "HybridTrainer", "LowBitAdamW", "MemoryPlan", "Phase", "StepResult",
+           "__version__"]
