@@ -180,3 +180,16 @@ def test_compiled_cpu_path_matches_eager(bits, eager_backend):
     torch.testing.assert_close(out[False][0].float(), out[True][0].float(), rtol=1e-2, atol=1e-3)
     for name in ("m_codes", "v_codes"):
         assert (out[False][1][name] != out[True][1][name]).float().mean() < 0.01
+
+
+def test_adam_l2_penalty_matches_torch_adam(eager_backend):
+    """decoupled_weight_decay=False is Adam's L2 penalty (the trainer converts torch's Adam so)."""
+    w0 = torch.randn(500)
+    ref, mine = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(w0.clone())
+    opt_ref = torch.optim.Adam([ref], lr=1e-2, weight_decay=0.1)
+    opt = LowBitAdamW([mine], lr=1e-2, weight_decay=0.1, state_bits=None, decoupled_weight_decay=False)
+    for g in _noisy_gradients(500, 10):
+        ref.grad, mine.grad = g.clone(), g.clone()
+        opt_ref.step()
+        opt.step()
+    torch.testing.assert_close(mine.detach(), ref.detach(), rtol=1e-5, atol=1e-6)
