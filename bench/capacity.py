@@ -486,8 +486,8 @@ def markdown(result: dict[str, Any]) -> str:
             largest = fit["largest_model_in_24GiB"]
             lines.append(f"| {arm} | {fit['bytes_per_param']:.2f} | {fit['plan_bytes_per_param']:.2f} | "
                          f"{fit['predicted_bytes_per_param']:.2f} | {100 * fit['max_abs_prediction_error']:.1f}% | "
-                         f"{1e3 * fit['step_seconds_largest']:.0f} ms | "
-                         f"{fit['step_time_factor']:.2f} | {largest / 1e9:.2f}B |" if largest else "")
+                         f"{1e3 * fit['step_seconds_largest']:.0f} ms | {fit['step_time_factor'] or float('nan'):.2f} | "
+                         + (f"{largest / 1e9:.2f}B |" if largest else "n/a |"))
         errors = [r for r in sw["rows"] if "error" in r]
         for r in errors:
             lines.append(f"\n{r['arm']} ({r['shape']}): {r['error']}")
@@ -567,6 +567,19 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def rewrite_reports(out: Path) -> None:
+    """capacity.md and capacity.png again from capacity.json (and capacity_big.json)."""
+    result = json.loads((out / "capacity.json").read_text())
+    big_path = out / "capacity_big.json"
+    if big_path.exists():
+        result["big"] = json.loads(big_path.read_text()).get("big", [])
+    (out / "capacity.md").write_text(markdown(result))
+    if result.get("sweep"):
+        plot(result, out / "capacity.png")
+    if big_path.exists():
+        (out / "capacity_big.md").write_text(big_markdown(json.loads(big_path.read_text())))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--probe", help=argparse.SUPPRESS)
@@ -581,7 +594,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", default="14.5GiB", help="memory_budget of the big run")
     parser.add_argument("--steps", type=int, default=20, help="steps of the 4B run")
     parser.add_argument("--out", default=str(ROOT / "docs" / "results"))
+    parser.add_argument("--reports-only", action="store_true", help="rewrite the .md/.png from the .json files")
     args = parser.parse_args(argv)
+    if args.reports_only:
+        rewrite_reports(Path(args.out))
+        return 0
     if args.probe:
         print(json.dumps(probe(json.loads(args.probe))))
         return 0
