@@ -43,7 +43,9 @@ from typing import Any, Callable
 
 import torch
 
-from hybrid_kernels.adamw_lowbit import DEFAULT_BLOCK
+from hybrid_kernels.adamw_lowbit import CHUNK_ELEMENTS, DEFAULT_BLOCK
+
+from .lowbit_adamw import COMPILE_MIN_NUMEL
 
 __all__ = ["MemoryPlan", "parse_bytes", "plan_memory", "measure_activation_bytes", "convertible",
            "STEP_TIME_FACTOR", "OPTIMIZER_STATE_BYTES"]
@@ -142,18 +144,24 @@ def measure_activation_bytes(model: torch.nn.Module, loss_fn: Callable, batch: A
     of its backward. The graph is dropped without a backward; no weight changes."""
     param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
+    kept: list[torch.Tensor] = []  # alive until the count is done, so no address is reused meanwhile
 
-    def pack(t: torch.Tensor):
+    def pack(t: torch.Tensor) -> int:
+        # An index, not the tensor: a graph holding its own saved outputs through a pack hook
+        # forms a reference cycle through C++ autograd nodes that is never freed (measured: the
+        # probe's activations and the weights it saved stayed resident after the probe).
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         if ptr not in param_storages and ptr not in seen:
             seen[ptr] = storage.nbytes()
-        return t
+        kept.append(t)
+        return len(kept) - 1
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda i: kept[i]):
         with (autocast if autocast is not None else torch.autocast("cpu", enabled=False)):
             loss = loss_fn(model, batch)
     del loss
+    kept.clear()
     return sum(seen.values())
 
 
@@ -220,6 +228,10 @@ def predictor_allocates_eagerly() -> bool:
 # The trainer's fixed buffers (dynamics model, history rings, counters), measured on the CPU as
 # the RSS its construction adds besides the predictor's vectors: ~25 MiB.
 TRAINER_FIXED_BYTES = 32 * 1024 ** 2
+# What torch.compile's first call leaves resident (inductor's modules and compiled code) when the
+# low-bit update compiles (models of COMPILE_MIN_NUMEL parameters and more): measured 67 MiB on a
+# 33M-parameter model (``python -m bench.capacity --part planner``).
+COMPILE_OVERHEAD_BYTES = 80 * 1024 ** 2
 
 
 def plan_memory(params: list[torch.Tensor], optimizer: torch.optim.Optimizer, config, *,
@@ -275,6 +287,8 @@ def plan_memory(params: list[torch.Tensor], optimizer: torch.optim.Optimizer, co
         predictor = 8 * n if (config.predict or predictor_eager) else 0
         anchor = weights if config.predict else 0
         average = 8 * n if config.weight_average else 0
+        compiles = as_lowbit and setting.bits is not None and n >= COMPILE_MIN_NUMEL and largest >= CHUNK_ELEMENTS
+        runtime = COMPILE_OVERHEAD_BYTES if compiles else 0
         trainer = good_state + predictor + anchor + average + TRAINER_FIXED_BYTES
         grads_all = n * wbytes
         if setting.step_in_backward:
@@ -284,10 +298,11 @@ def plan_memory(params: list[torch.Tensor], optimizer: torch.optim.Optimizer, co
             backward_grads, step_grads = 0, grads_all
             update_temp = 4 * n if not as_lowbit else 0
         transient = max(acts + backward_grads, step_grads + update_temp)
-        peak = in_use_bytes - weights_now + weights + state + trainer + transient
+        peak = in_use_bytes - weights_now + weights + state + trainer + transient + runtime
         breakdown = dict(in_use_at_planning=in_use_bytes, weights=weights, weights_before=weights_now,
                          optimizer_state=state, trainer_buffers=trainer, good_state=good_state,
                          predictor=predictor, anchor=anchor, weight_average=average, transient=transient,
+                         compile_runtime=runtime,
                          activations=acts,
                          gradients_at_peak=backward_grads if acts + backward_grads >= step_grads + update_temp
                          else step_grads, update_temporaries=update_temp)
@@ -350,7 +365,7 @@ def refine_plan(plan: MemoryPlan, in_use_bytes: int, predictor_bytes_present: in
     b["estimate_at_planning"] = plan.predicted_peak_bytes
     plan.predicted_peak_bytes = int(in_use_bytes + b["optimizer_state"] + b["good_state"] + b["anchor"]
                                     + b["weight_average"] + max(0, b["predictor"] - predictor_bytes_present)
-                                    + b["transient"])
+                                    + b["transient"] + b["compile_runtime"])
     logger.info("memory plan refined after construction: predicted peak %.3f GiB", plan.predicted_peak_bytes / 1024 ** 3)
     return plan
 
