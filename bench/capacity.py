@@ -625,7 +625,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.part in ("all", "sweep"):
         result["sweep"] = sweep(arms, args.sweep_steps)
     if args.part in ("all", "planner"):
-        result["planner"] = planner_part([900, 600, 400, 300], args.sweep_steps)
+        result["planner"] = planner_part([1100, 850, 780, 720, 670, 500], args.sweep_steps)
     if args.part in ("all", "parity"):
         steps = {k: v for k, v in (("charlm", args.parity_steps_charlm), ("fashion", args.parity_steps_fashion)) if v}
         result["parity"] = parity(arms, list(range(args.seeds)), steps)
