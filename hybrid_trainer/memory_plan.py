@@ -23,9 +23,9 @@ Prediction (bytes; ``N`` trained parameters, ``W`` their bytes now):
   it is not counted.
 * ``backward_grads`` / ``step_grads``: all gradients (weight dtype) at the optimizer step; with
   the step inside the backward, two of the largest parameter's gradients.
-* ``update_temp``: torch's multi-tensor (foreach) Adam allocates about one fp32 copy of all
-  parameters during its step (measured: ``python -m bench.capacity``); the chunked low-bit
-  update a few MB.
+* ``update_temp``: torch's Adam on CUDA (multi-tensor, foreach) allocates about one fp32 copy
+  of all parameters during its step, on a CPU (one tensor at a time) two of the largest
+  parameter; the chunked low-bit update a few MB.
 
 Techniques, cheapest first (least step-time and quality cost; the measured factors are
 :data:`STEP_TIME_FACTOR`, the quality cost in ``docs/memory.md``): step inside the backward
@@ -241,6 +241,7 @@ def plan_memory(params: list[torch.Tensor], optimizer: torch.optim.Optimizer, co
     ``in_use_bytes``: memory in use now; ``activation_bytes``: from
     :func:`measure_activation_bytes`, or None when not measured."""
     n = sum(p.numel() for p in params)
+    device_type = params[0].device.type if params else "cpu"
     weights_now = sum(p.numel() * p.element_size() for p in params)
     largest = max((p.numel() for p in params), default=0)
     can_convert = convertible(optimizer)
@@ -296,7 +297,9 @@ def plan_memory(params: list[torch.Tensor], optimizer: torch.optim.Optimizer, co
             update_temp = 0
         else:
             backward_grads, step_grads = 0, grads_all
-            update_temp = 4 * n if not as_lowbit else 0
+            # torch's Adam steps CUDA tensors multi-tensor (foreach: about one fp32 copy of all
+            # parameters in temporaries) and CPU tensors one at a time (temporaries of the largest)
+            update_temp = 0 if as_lowbit else (4 * n if device_type == "cuda" else 2 * 4 * largest)
         transient = max(acts + backward_grads, step_grads + update_temp)
         peak = in_use_bytes - weights_now + weights + state + trainer + transient + runtime
         breakdown = dict(in_use_at_planning=in_use_bytes, weights=weights, weights_before=weights_now,
