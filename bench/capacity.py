@@ -251,8 +251,12 @@ def probe(spec: dict[str, Any]) -> dict[str, Any]:
             "construct_seconds": construct_s}
 
 
-def run_probe(spec: dict[str, Any], timeout: float = 1800) -> dict[str, Any]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", HYBRID_KERNELS_BACKEND="eager", **MALLOC_ENV)
+def run_probe(spec: dict[str, Any], timeout: float = 1800, tune_malloc: bool = True) -> dict[str, Any]:
+    """``probe(spec)`` in a fresh process. ``tune_malloc``: glibc returns every freed buffer over
+    64 KiB at once, so the RSS of a small model follows its live tensors; it costs time (each
+    temporary is a fresh mapping: the low-bit update's chunk temporaries made it ~3x slower),
+    so the big run, whose tensors are far above glibc's own mapping threshold, runs without."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", HYBRID_KERNELS_BACKEND="eager", **(MALLOC_ENV if tune_malloc else {}))
     env.pop("TRITON_INTERPRET", None)
     done = subprocess.run([sys.executable, "-m", "bench.capacity", "--probe", json.dumps(spec)], env=env,
                           capture_output=True, text=True, cwd=ROOT, timeout=timeout)
@@ -451,7 +455,7 @@ def big(budget: str, steps: int, sizes: list[str]) -> list[dict[str, Any]]:
         spec = {"arm": "planner", "shape": list(shape), "steps": steps if size == "4B" else 3, "build_bf16": True,
                 "knobs": knobs, "lr": 3e-4, "verbose": True}
         print(f"big run {size}: {n / 1e9:.2f}B parameters, budget {budget}", flush=True)
-        row = run_probe(spec, timeout=3 * 3600)
+        row = run_probe(spec, timeout=3 * 3600, tune_malloc=False)
         row["size"] = size
         rows.append(row)
         if "error" in row:
