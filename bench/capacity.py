@@ -231,8 +231,11 @@ def probe(spec: dict[str, Any]) -> dict[str, Any]:
     Path("/proc/self/clear_refs").write_text("5")  # the peak from here on
     rss_before = _rss()
     config = HybridConfig(predict=False, good_state_every=0, cost_aware=False, **knobs)
+    warmup = spec.get("warmup", 0)  # linear warm-up over this many steps (Adam's first steps move every weight by lr)
+    scheduler = (torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+                 if warmup else None)
     started = time.perf_counter()
-    trainer = HybridTrainer(model, optimizer, lm_loss, config, example_batch=example)
+    trainer = HybridTrainer(model, optimizer, lm_loss, config, scheduler=scheduler, example_batch=example)
     construct_s = time.perf_counter() - started
     plan = trainer.memory_plan
     losses, times = [], []
@@ -431,7 +434,7 @@ def mem_available() -> int:
     return int(re.search(r"MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text()).group(1)) * 1024
 
 
-def big(budget: str, steps: int, sizes: list[str]) -> list[dict[str, Any]]:
+def big(budget: str, steps: int, sizes: list[str], lr: float = 1e-4, warmup: int = 5) -> list[dict[str, Any]]:
     from hybrid_trainer.memory_plan import parse_bytes
 
     _, _, vocab = kjv_codes()
@@ -453,7 +456,7 @@ def big(budget: str, steps: int, sizes: list[str]) -> list[dict[str, Any]]:
         knobs = {"memory_budget": budget} if size == "4B" else \
             {"step_in_backward": True, "optimizer_state_bits": 4, "weight_dtype": "bfloat16"}
         spec = {"arm": "planner", "shape": list(shape), "steps": steps if size == "4B" else 3, "build_bf16": True,
-                "knobs": knobs, "lr": 3e-4, "verbose": True}
+                "knobs": knobs, "lr": lr, "warmup": warmup, "verbose": True}
         print(f"big run {size}: {n / 1e9:.2f}B parameters, budget {budget}", flush=True)
         row = run_probe(spec, timeout=3 * 3600, tune_malloc=False)
         row["size"] = size
@@ -597,6 +600,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--big-sizes", nargs="*", default=["0.5B", "1B", "4B"])
     parser.add_argument("--budget", default="14.5GiB", help="memory_budget of the big run")
     parser.add_argument("--steps", type=int, default=20, help="steps of the 4B run")
+    parser.add_argument("--lr", type=float, default=1e-4, help="peak learning rate of the big run (AdamW)")
+    parser.add_argument("--warmup", type=int, default=5, help="linear warm-up steps of the big run")
     parser.add_argument("--out", default=str(ROOT / "docs" / "results"))
     parser.add_argument("--reports-only", action="store_true", help="rewrite the .md/.png from the .json files")
     args = parser.parse_args(argv)
@@ -614,7 +619,7 @@ def main(argv: list[str] | None = None) -> int:
             "machine": f"{os.cpu_count()} CPU cores, torch {torch.__version__}, 1 thread",
             "command": "python -m bench.capacity " + " ".join(argv if argv is not None else sys.argv[1:])}
     if args.big:
-        rows = big(args.budget, args.steps, args.big_sizes)
+        rows = big(args.budget, args.steps, args.big_sizes, args.lr, args.warmup)
         result = dict(meta, big=rows)
         (out / "capacity_big.json").write_text(json.dumps(result, indent=1))
         (out / "capacity_big.md").write_text(big_markdown(result))
