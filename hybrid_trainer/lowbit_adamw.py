@@ -26,6 +26,7 @@ parameter's step count, which is what an update inside the backward pass needs
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Iterable
 
 import torch
@@ -38,6 +39,15 @@ __all__ = ["LowBitAdamW", "COMPILE_MIN_NUMEL"]
 # costs less than the eager chain of tensor ops from here on (7-17 vs 25-60 ns per parameter,
 # ``python -m bench.capacity --optimizer-speed``).
 COMPILE_MIN_NUMEL = 1 << 24
+COMPILE_ENV = "HYBRID_LOWBIT_COMPILE"  # "0" or "1" overrides the size rule (benchmarks compare sizes alike)
+
+
+def compiles_by_default(total_numel: int) -> bool:
+    """Whether ``compiled=None`` compiles for parameters of ``total_numel`` values in all."""
+    forced = os.environ.get(COMPILE_ENV, "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    return total_numel >= COMPILE_MIN_NUMEL
 
 
 class LowBitAdamW(torch.optim.Optimizer):
@@ -79,7 +89,7 @@ class LowBitAdamW(torch.optim.Optimizer):
                 if p.dtype not in (torch.float32, torch.bfloat16):
                     raise TypeError(f"params: a {p.dtype} parameter; LowBitAdamW updates float32 or bfloat16")
         total = sum(p.numel() for group in self.param_groups for p in group["params"])
-        self.compiled = (total >= COMPILE_MIN_NUMEL) if compiled is None else bool(compiled)
+        self.compiled = compiles_by_default(total) if compiled is None else bool(compiled)
         self._index: dict[int, int] | None = None
         # The optimizer this one replaces (the memory plan's conversion): an LR scheduler built over
         # it shares its param groups and looks at it for the "optimizer stepped" mark.

@@ -45,7 +45,7 @@ import torch
 
 from hybrid_kernels.adamw_lowbit import CHUNK_ELEMENTS, DEFAULT_BLOCK
 
-from .lowbit_adamw import COMPILE_MIN_NUMEL
+from .lowbit_adamw import compiles_by_default
 
 __all__ = ["MemoryPlan", "parse_bytes", "plan_memory", "measure_activation_bytes", "convertible",
            "STEP_TIME_FACTOR", "OPTIMIZER_STATE_BYTES"]
@@ -288,7 +288,7 @@ def plan_memory(params: list[torch.Tensor], optimizer: torch.optim.Optimizer, co
         predictor = 8 * n if (config.predict or predictor_eager) else 0
         anchor = weights if config.predict else 0
         average = 8 * n if config.weight_average else 0
-        compiles = as_lowbit and setting.bits is not None and n >= COMPILE_MIN_NUMEL and largest >= CHUNK_ELEMENTS
+        compiles = as_lowbit and setting.bits is not None and compiles_by_default(n) and largest >= CHUNK_ELEMENTS
         runtime = COMPILE_OVERHEAD_BYTES if compiles else 0
         trainer = good_state + predictor + anchor + average + TRAINER_FIXED_BYTES
         grads_all = n * wbytes
