@@ -320,14 +320,15 @@ def planner_part(budgets_mib: list[int], steps: int) -> list[dict[str, Any]]:
 PARITY_LR = {"charlm": 2e-3, "fashion": 1e-3}
 
 
-def parity(arms: list[str], seeds: list[int], steps: dict[str, int] | None) -> dict[str, Any]:
+def parity(arms: list[str], seeds: list[int], steps: dict[str, int] | None,
+           tasks: tuple[str, ...] = ("charlm", "fashion")) -> dict[str, Any]:
     from hybrid_trainer import HybridConfig, HybridTrainer
 
     from .tasks import get_task
 
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
-    for task_name in ("charlm", "fashion"):
+    for task_name in tasks:
         task = get_task(task_name)
         n_steps = (steps or {}).get(task_name, task.steps)
         for arm in arms:
@@ -595,6 +596,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--part", choices=["all", "speed", "sweep", "planner", "parity"], default="all")
     parser.add_argument("--arms", nargs="*", default=None, help="sweep/parity arms (default: all)")
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--tasks", nargs="*", default=["charlm", "fashion"], help="loss-parity tasks")
     parser.add_argument("--sweep-steps", type=int, default=4)
     parser.add_argument("--eager-lowbit", action="store_true",
                         help="sweep with the low-bit update eager at every size (no torch.compile overhead at one size only)")
@@ -654,7 +656,8 @@ def main(argv: list[str] | None = None) -> int:
         result["planner"] = planner_part([1100, 850, 780, 720, 670, 500], args.sweep_steps)
     if args.part in ("all", "parity"):
         steps = {k: v for k, v in (("charlm", args.parity_steps_charlm), ("fashion", args.parity_steps_fashion)) if v}
-        result["parity"] = parity(arms, list(range(args.seeds)), steps)
+        fresh = parity(arms, list(range(args.seeds)), steps, tuple(args.tasks))
+        result["parity"] = {**result.get("parity", {}), **fresh}
     big_path = out / "capacity_big.json"
     if big_path.exists():
         result["big"] = json.loads(big_path.read_text()).get("big", [])
