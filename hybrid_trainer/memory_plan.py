@@ -55,15 +55,18 @@ logger = logging.getLogger("hybrid_trainer.memory_plan")
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000 ** 2, "mb": 1000 ** 2, "g": 1000 ** 3, "gb": 1000 ** 3,
           "t": 1000 ** 4, "tb": 1000 ** 4, "kib": 1024, "mib": 1024 ** 2, "gib": 1024 ** 3, "tib": 1024 ** 4}
 
-# Step time of each technique over the plain fp32 AdamW step, measured on this project's CPU by
-# ``python -m bench.capacity`` (docs/results/capacity.json, "step_time"; a 2-core shared machine,
-# so noisy): filled in from that file's "step_time_factor" entries.
+# Step time of a setting over the plain fp32 AdamW step: the sweep of
+# ``python -m bench.capacity --part sweep`` (docs/results/capacity.json, "fits" → "step_time_factor",
+# the 31.7M-parameter Llama-shaped model, batch 1 × 64 tokens, on a shared 2-core CPU: noisy).
+# A combination not measured is the product of its parts.
 STEP_TIME_FACTOR: dict[str, float] = {
-    "fp32": 1.0,
-    "in_backward": 1.0,
-    "bits8": 1.0,
-    "bits4": 1.0,
-    "bf16": 1.0,
+    "": 1.0,
+    "in_backward": 0.99,
+    "bits8": 1.25,
+    "bits4": 1.39,
+    "bf16": 5.36,  # fp32 moments with bf16 weights: the eager chunked path
+    "in_backward+bits8+bf16": 2.75,
+    "in_backward+bits4+bf16": 1.96,
 }
 
 # Optimizer state bytes per parameter of optimizers the trainer cannot convert, by class name.
@@ -198,14 +201,12 @@ class _Setting:
 
     @property
     def time_factor(self) -> float:
-        f = 1.0
-        if self.step_in_backward:
-            f *= STEP_TIME_FACTOR["in_backward"]
-        if self.bits is not None:
-            f *= STEP_TIME_FACTOR[f"bits{self.bits}"]
-        if self.bf16:
-            f *= STEP_TIME_FACTOR["bf16"]
-        return f
+        parts = [name for name, on in (("in_backward", self.step_in_backward),
+                                       (f"bits{self.bits}", self.bits is not None), ("bf16", self.bf16)) if on]
+        key = "+".join(parts)
+        if key in STEP_TIME_FACTOR:
+            return STEP_TIME_FACTOR[key]
+        return math.prod(STEP_TIME_FACTOR[part] for part in parts)
 
 
 # Cheapest first: the step inside the backward costs no quality; 8-bit state costs little; bf16
