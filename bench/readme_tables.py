@@ -78,7 +78,7 @@ def status() -> str:
          f"{no_predict['time_vs_plain']:.2f}× the plain DDP loop's training time (seeds "
          f"{no_predict['time_vs_plain_range'][0]:.2f}–{no_predict['time_vs_plain_range'][1]:.2f})", _cmd(ddp)),
     ]
-    rows += _overhead_rows() + _nowcast_rows()
+    rows += _overhead_rows() + _capacity_rows() + _nowcast_rows()
     lines = ["| what | measured (char-LM / Fashion-MNIST / digits where three) | command |", "|---|---|---|"]
     lines += [f"| {what} | {figure} | {command} |" for what, figure, command in rows]
     return "\n".join(lines)
@@ -107,6 +107,32 @@ def _overhead_rows() -> list[tuple[str, str, str]]:
         (f"Peak training memory next to the plain loop ({names})",
          f"`predict=False` {vs('predict=False', 'memory_ratio', '.2f')}×; default config "
          f"{vs('default', 'memory_ratio', '.2f')}× (goals 1.03× and 1.10×)", cmd),
+    ]
+
+
+def _capacity_rows() -> list[tuple[str, str, str]]:
+    """Training state per parameter and the largest model trained here (``bench.capacity``)."""
+    if not (RESULTS / "capacity.json").exists() or not (RESULTS / "capacity_big.json").exists():
+        return []
+    sweep, big = _load("capacity.json"), _load("capacity_big.json")
+    fits = sweep["sweep"]["fits"]
+    largest = max((row for row in big["big"] if "peak_rss" in row), key=lambda row: row["parameters"])
+    losses = largest["losses"]
+    head, tail = losses[:5], losses[-5:]
+    return [
+        ("Training state per parameter (slope of peak memory over 3 GPT sizes)",
+         f"fp32 AdamW {fits['fp32 AdamW']['bytes_per_param']:.1f} bytes/param; the stack's smallest (step in the "
+         f"backward + 4-bit moments + bf16 weights) {fits['in-backward + 4-bit + bf16']['bytes_per_param']:.1f} "
+         f"measured, {fits['in-backward + 4-bit + bf16']['plan_bytes_per_param']:.2f} of training state in its plan, "
+         f"step time {fits['in-backward + 4-bit + bf16']['step_time_factor']:.2f}× fp32 (goal ≤ 3 bytes/param with "
+         f"≤ 1% loss gap: loss parity not yet in a result file)",
+         "`python -m bench.capacity --part sweep`"),  # the file's own command is its last part's
+        ("Largest model trained on this 24 GiB, 2-core machine (the planner choosing)",
+         f"**{largest['parameters'] / 1e9:.2f}B** parameters (Llama-shaped), {len(losses)} steps on the King James text, "
+         f"peak {largest['peak_rss'] / 2 ** 30:.2f} GiB (planned {largest['predicted_peak'] / 2 ** 30:.2f}), "
+         f"{largest['peak_rss'] / largest['parameters']:.2f} bytes/param for the whole process, loss "
+         f"{sum(head) / len(head):.2f} → {sum(tail) / len(tail):.2f} (mean of first / last 5 steps)",
+         f"`{big['command']}`"),
     ]
 
 
