@@ -1,6 +1,8 @@
 """Predicted weight updates from the real update history.
 
-Every real (optimizer) step records ``u = θ_after − θ_before`` for every parameter. From that
+Every real (optimizer) step records ``u = θ_after − θ_before`` for every parameter: measured
+against a copy of the weights taken before the step, or, for Adam/AdamW, recomputed after it from
+the optimizer's state (:mod:`~hybrid_trainer.update_recovery`), which spares that copy. From that
 history the predictor keeps a *direction* per parameter and a *scale* per parameter tensor:
 
 * direction ``"ema"``: exponential moving average of the updates (fp32), bias-corrected as
@@ -23,6 +25,8 @@ from dataclasses import dataclass
 import torch
 
 import hybrid_kernels as hk
+
+from .update_recovery import CHUNK, AdamUpdateRecovery
 
 _HISTORY_BLOCK = 256  # int8 block size of the stored updates
 # Largest parameter tensor (elements) for which batched reductions are the CUDA default: a 4 MB
@@ -74,9 +78,10 @@ class DeltaPredictor:
         self.device = device
         self.sizes = [p.numel() for p in params]
         self.numel = sum(self.sizes)
-        # The fp32 buffers (θ before a step, then the update u; the EMA direction) are allocated
-        # at the first recorded step and freed by release(): a trainer that never predicts, or
-        # no longer can, holds none of them (two copies of the weights).
+        # The fp32 buffers (the EMA direction; θ before a step, then the update u, only where the
+        # update cannot be recomputed from the optimizer's state) are allocated at the first
+        # recorded step and freed by release(): a trainer that never predicts, or no longer can,
+        # holds none of them.
         self._before_flat: torch.Tensor | None = None
         self._ema_flat: torch.Tensor | None = None
         self._before: list[torch.Tensor] = []
@@ -94,6 +99,8 @@ class DeltaPredictor:
         self.n_updates = 0
         self.n_scale_fits = 0
         self._recording = False
+        self._recovery: AdamUpdateRecovery | None = None
+        self._recovering: AdamUpdateRecovery | None = None  # set between begin_step and end_step
         # Checked and planned once per direction buffer: a plain apply_delta_ call re-inspects
         # every parameter, which on a GPU costs more than the kernel (bench/test_bench_apply_delta.py).
         self._appliers: dict[int, hk.DeltaApplier] = {}
@@ -108,16 +115,30 @@ class DeltaPredictor:
 
     def _allocate(self) -> None:
         if self._ema_flat is None:
-            self._before_flat = torch.empty(self.numel, dtype=torch.float32, device=self.device)
             self._ema_flat = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
-            self._before = self._views(self._before_flat)
             self._ema = self._views(self._ema_flat)
+
+    def _allocate_before(self) -> None:
+        if self._before_flat is None:
+            self._before_flat = torch.empty(self.numel, dtype=torch.float32, device=self.device)
+            self._before = self._views(self._before_flat)
+
+    def _recovery_for(self, optimizer: torch.optim.Optimizer | None) -> AdamUpdateRecovery | None:
+        """The closed-form recovery of ``optimizer``'s updates (None: measure with a before-copy).
+        Not with the ``"linear"`` direction (its history quantises the whole update at once) nor
+        with batched reductions (a GPU's launch-bound path wants the flat buffers)."""
+        if optimizer is None or self.direction_kind != "ema" or self.batched_reductions:
+            return None
+        if self._recovery is None or self._recovery.optimizer is not optimizer:
+            self._recovery = AdamUpdateRecovery.for_optimizer(optimizer, self.params)
+        return self._recovery
 
     def release(self) -> None:
         """Forget the recorded history and free every buffer that grows with the model (the
         update history starts again at the next :meth:`begin_step`). For a trainer whose
         prediction is off for good: the buffers would otherwise stay allocated for nothing."""
         self._before_flat = self._ema_flat = self._linear_flat = self._scratch_flat = None
+        self._recovering = None
         self._before, self._ema, self._linear = [], [], None
         self._history = []
         self._appliers.clear()
@@ -127,10 +148,21 @@ class DeltaPredictor:
 
     # -- recording real updates ------------------------------------------------------------
     @torch.no_grad()
-    def begin_step(self) -> None:
-        """Call right before ``optimizer.step()``."""
+    def begin_step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Call right before ``optimizer.step()``. With ``optimizer`` given (and certain to step:
+        no GradScaler that may skip it), an Adam/AdamW update is recomputed from its state after
+        the step (:mod:`~hybrid_trainer.update_recovery`) instead of measured against a copy of
+        the weights taken here: one fp32 copy of the model less at the step's memory peak."""
         self._allocate()
-        torch._foreach_copy_(self._before, self.params)  # no_grad: no detach needed (one host op per tensor on a GPU)
+        recovery = self._recovery_for(optimizer)
+        if recovery is not None:
+            recovery.capture()
+            if self._before_flat is not None:  # left by an earlier measured step
+                self._before_flat, self._before = None, []
+        else:
+            self._allocate_before()
+            torch._foreach_copy_(self._before, self.params)  # no_grad: no detach needed (one host op per tensor on a GPU)
+        self._recovering = recovery
         self._recording = True
 
     @torch.no_grad()
@@ -139,6 +171,9 @@ class DeltaPredictor:
         if not self._recording:
             raise RuntimeError("DeltaPredictor.end_step() without begin_step()")
         self._recording = False
+        if self._recovering is not None:
+            recovery, self._recovering = self._recovering, None
+            return self._end_recovered_step(recovery)
         torch._foreach_sub_(self._before, [p.float() if p.dtype != torch.float32 else p for p in self.params])
         update = self._before_flat.neg_()  # now u = θ_after − θ_before
         update_views = self._before
@@ -211,6 +246,48 @@ class DeltaPredictor:
             dots_ud = torch.stack([torch.dot(u.reshape(-1), d.reshape(-1))
                                    for u, d in zip(update_views, direction_views)])
             dots_dd = torch.stack([torch.dot(d.reshape(-1), d.reshape(-1)) for d in direction_views])
+        return self._fit_scales_from_dots(dots_ud, dots_dd, norm_u)
+
+    def _end_recovered_step(self, recovery: AdamUpdateRecovery) -> UpdateStats:
+        """:meth:`end_step` with the update recomputed a chunk at a time: each chunk's dots
+        against the direction are taken before the chunk is folded into the EMA, as the measured
+        path does for the whole buffer."""
+        first = self.n_updates == 0
+        weight = 1.0 if first else (1 - self.ema_beta) / (1 - self.ema_beta ** (self.n_updates + 1))
+        zero = self._ema_flat.new_zeros(())
+        dots_ud, dots_dd, squares = [], [], []
+        for index, direction in enumerate(self._ema):
+            direction = direction.view(-1)
+            plan = recovery.plan(index)
+            ud, dd, uu = zero, zero, zero
+            if not first:
+                dd = torch.dot(direction, direction)
+            if plan is None:  # no gradient, no update: the EMA decays towards zero
+                if not first:
+                    direction.mul_(1 - weight)
+            else:
+                for start in range(0, direction.numel(), CHUNK):
+                    stop = min(start + CHUNK, direction.numel())
+                    update = recovery.update_chunk(plan, index, start, stop)
+                    uu = uu + torch.dot(update, update)
+                    part = direction[start:stop]
+                    if first:
+                        part.copy_(update)
+                    else:
+                        ud = ud + torch.dot(update, part)
+                        part.lerp_(update, weight)
+            dots_ud.append(ud)
+            dots_dd.append(dd)
+            squares.append(uu)
+        norm_u = torch.stack(squares).sum().sqrt()
+        if first:
+            stats = UpdateStats(update_norm=float(norm_u), cosine=float("nan"))
+        else:
+            stats = self._fit_scales_from_dots(torch.stack(dots_ud), torch.stack(dots_dd), norm_u)
+        self.n_updates += 1
+        return stats
+
+    def _fit_scales_from_dots(self, dots_ud: torch.Tensor, dots_dd: torch.Tensor, norm_u: torch.Tensor) -> UpdateStats:
         fits = torch.where(dots_dd > 0, dots_ud / dots_dd.clamp_min(1e-30), torch.zeros_like(dots_dd))
         fits = fits.clamp_(0.0, self.scale_max)
         if self.n_scale_fits == 0:
