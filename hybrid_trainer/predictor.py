@@ -26,7 +26,7 @@ import torch
 
 import hybrid_kernels as hk
 
-from .update_recovery import CHUNK, AdamUpdateRecovery
+from .update_recovery import AdamUpdateRecovery
 
 _HISTORY_BLOCK = 256  # int8 block size of the stored updates
 # Largest parameter tensor (elements) for which batched reductions are the CUDA default: a 4 MB
@@ -101,6 +101,7 @@ class DeltaPredictor:
         self._recording = False
         self._recovery: AdamUpdateRecovery | None = None
         self._recovering: AdamUpdateRecovery | None = None  # set between begin_step and end_step
+        self._chunk_scratch: torch.Tensor | None = None  # one bucket's update (update_recovery.CHUNK at most)
         # Checked and planned once per direction buffer: a plain apply_delta_ call re-inspects
         # every parameter, which on a GPU costs more than the kernel (bench/test_bench_apply_delta.py).
         self._appliers: dict[int, hk.DeltaApplier] = {}
@@ -138,6 +139,7 @@ class DeltaPredictor:
         update history starts again at the next :meth:`begin_step`). For a trainer whose
         prediction is off for good: the buffers would otherwise stay allocated for nothing."""
         self._before_flat = self._ema_flat = self._linear_flat = self._scratch_flat = None
+        self._chunk_scratch = None
         self._recovering = None
         self._before, self._ema, self._linear = [], [], None
         self._history = []
@@ -249,41 +251,37 @@ class DeltaPredictor:
         return self._fit_scales_from_dots(dots_ud, dots_dd, norm_u)
 
     def _end_recovered_step(self, recovery: AdamUpdateRecovery) -> UpdateStats:
-        """:meth:`end_step` with the update recomputed a chunk at a time: each chunk's dots
-        against the direction are taken before the chunk is folded into the EMA, as the measured
-        path does for the whole buffer."""
+        """:meth:`end_step` with the update recomputed a bucket at a time into a scratch buffer
+        of at most ``update_recovery.CHUNK`` elements: each bucket's dots against the direction are taken before
+        it is folded into the EMA, as the measured path does for the whole buffer."""
         first = self.n_updates == 0
-        weight = 1.0 if first else (1 - self.ema_beta) / (1 - self.ema_beta ** (self.n_updates + 1))
-        zero = self._ema_flat.new_zeros(())
-        dots_ud, dots_dd, squares = [], [], []
-        for index, direction in enumerate(self._ema):
-            direction = direction.view(-1)
-            plan = recovery.plan(index)
-            ud, dd, uu = zero, zero, zero
-            if not first:
-                dd = torch.dot(direction, direction)
-            if plan is None:  # no gradient, no update: the EMA decays towards zero
-                if not first:
-                    direction.mul_(1 - weight)
-            else:
-                for start in range(0, direction.numel(), CHUNK):
-                    stop = min(start + CHUNK, direction.numel())
-                    update = recovery.update_chunk(plan, index, start, stop)
-                    uu = uu + torch.dot(update, update)
-                    part = direction[start:stop]
-                    if first:
-                        part.copy_(update)
-                    else:
-                        ud = ud + torch.dot(update, part)
-                        part.lerp_(update, weight)
-            dots_ud.append(ud)
-            dots_dd.append(dd)
-            squares.append(uu)
-        norm_u = torch.stack(squares).sum().sqrt()
+        weight = (1 - self.ema_beta) / (1 - self.ema_beta ** (self.n_updates + 1))
+        n_params = len(self.params)
+        dots_ud, dots_dd, squares = (self._ema_flat.new_zeros(n_params) for _ in range(3))
+        longest = max(stop - start for start, stop, _ in recovery.buckets)
+        if self._chunk_scratch is None or self._chunk_scratch.numel() < longest:
+            self._chunk_scratch = torch.empty(longest, dtype=torch.float32, device=self.device)
+        for bucket, (start, stop, _) in enumerate(recovery.buckets):
+            length = stop - start
+            update = self._chunk_scratch[:length]
+            recovery.bucket_update(bucket, update)
+            direction = self._ema_flat[start:stop]
+            # Per-piece dots (a CPU's segment_reduce is a slow scalar loop; a dot is BLAS).
+            lengths, owners = recovery.piece_lengths[bucket], recovery.piece_params[bucket]
+            updates = update.split(lengths)
+            squares.index_add_(0, owners, torch.stack([torch.dot(u, u) for u in updates]))
+            if first:
+                direction.copy_(update)
+                continue
+            directions = direction.split(lengths)
+            dots_ud.index_add_(0, owners, torch.stack([torch.dot(u, d) for u, d in zip(updates, directions)]))
+            dots_dd.index_add_(0, owners, torch.stack([torch.dot(d, d) for d in directions]))
+            direction.lerp_(update, weight)
+        norm_u = squares.sum().sqrt()
         if first:
             stats = UpdateStats(update_norm=float(norm_u), cosine=float("nan"))
         else:
-            stats = self._fit_scales_from_dots(torch.stack(dots_ud), torch.stack(dots_dd), norm_u)
+            stats = self._fit_scales_from_dots(dots_ud, dots_dd, norm_u)
         self.n_updates += 1
         return stats
 
