@@ -64,7 +64,7 @@ class DeltaPredictor:
 
     def __init__(self, params: list[torch.Tensor], direction: str = "ema", ema_beta: float = 0.98,
                  history_size: int = 4, scale_beta: float = 0.9, scale_max: float = 4.0,
-                 batched_reductions: bool | None = None):
+                 batched_reductions: bool | None = None, direction_dtype: torch.dtype = torch.float32):
         devices = {p.device for p in params}
         if len(devices) != 1:
             raise ValueError(f"params must all live on one device, got {sorted(map(str, devices))}")
@@ -74,6 +74,9 @@ class DeltaPredictor:
         self.history_size = history_size
         self.scale_beta = scale_beta
         self.scale_max = scale_max
+        if direction_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"direction_dtype must be torch.float32 or torch.bfloat16, got {direction_dtype}")
+        self.direction_dtype = direction_dtype
         device = params[0].device
         self.device = device
         self.sizes = [p.numel() for p in params]
@@ -116,7 +119,7 @@ class DeltaPredictor:
 
     def _allocate(self) -> None:
         if self._ema_flat is None:
-            self._ema_flat = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+            self._ema_flat = torch.zeros(self.numel, dtype=self.direction_dtype, device=self.device)
             self._ema = self._views(self._ema_flat)
 
     def _allocate_before(self) -> None:
@@ -191,6 +194,9 @@ class DeltaPredictor:
 
         if self.n_updates == 0:
             self._ema_flat.copy_(update)
+        elif self._ema_flat.dtype != torch.float32:  # averaged in fp32, stored rounded
+            self._ema_flat.copy_(self._ema_flat.float().lerp_(
+                update, (1 - self.ema_beta) / (1 - self.ema_beta ** (self.n_updates + 1))))
         else:
             # Bias-corrected, as Adam's moments: update k of n weighs (1 − β) β^(n−k) / (1 − βⁿ).
             # Starting the plain EMA at the first update instead gave that one update the weight
@@ -222,7 +228,8 @@ class DeltaPredictor:
                 torch._foreach_copy_([view for view, _ in present], [g for _, g in present])
             dots = self._segment_dots(scratch, direction_flat)
         else:
-            dots = torch.stack([torch.dot(g.reshape(-1).float(), d.reshape(-1)) if g is not None else d.new_zeros(())
+            dots = torch.stack([torch.dot(g.reshape(-1).float(), d.reshape(-1).float()) if g is not None
+                                else d.new_zeros((), dtype=torch.float32)
                                 for g, d in zip(grads, direction_views)])
         return -float(torch.dot(self.scales, dots))
 
@@ -245,9 +252,9 @@ class DeltaPredictor:
             dots_ud = self._segment_dots(self._before_flat, direction_flat)  # _before_flat holds u now
             dots_dd = self._segment_dots(direction_flat, direction_flat)
         else:
-            dots_ud = torch.stack([torch.dot(u.reshape(-1), d.reshape(-1))
-                                   for u, d in zip(update_views, direction_views)])
-            dots_dd = torch.stack([torch.dot(d.reshape(-1), d.reshape(-1)) for d in direction_views])
+            directions = [d.reshape(-1).float() for d in direction_views]
+            dots_ud = torch.stack([torch.dot(u.reshape(-1), d) for u, d in zip(update_views, directions)])
+            dots_dd = torch.stack([torch.dot(d, d) for d in directions])
         return self._fit_scales_from_dots(dots_ud, dots_dd, norm_u)
 
     def _end_recovered_step(self, recovery: AdamUpdateRecovery) -> UpdateStats:
@@ -257,7 +264,7 @@ class DeltaPredictor:
         first = self.n_updates == 0
         weight = (1 - self.ema_beta) / (1 - self.ema_beta ** (self.n_updates + 1))
         n_params = len(self.params)
-        dots_ud, dots_dd, squares = (self._ema_flat.new_zeros(n_params) for _ in range(3))
+        dots_ud, dots_dd, squares = (self._ema_flat.new_zeros(n_params, dtype=torch.float32) for _ in range(3))
         longest = max(stop - start for start, stop, _ in recovery.buckets)
         if self._chunk_scratch is None or self._chunk_scratch.numel() < longest:
             self._chunk_scratch = torch.empty(longest, dtype=torch.float32, device=self.device)
@@ -265,18 +272,21 @@ class DeltaPredictor:
             length = stop - start
             update = self._chunk_scratch[:length]
             recovery.bucket_update(bucket, update)
-            direction = self._ema_flat[start:stop]
+            stored = self._ema_flat[start:stop]
+            direction = stored if stored.dtype == torch.float32 else stored.float()  # bucket-sized transient
             # Per-piece dots (a CPU's segment_reduce is a slow scalar loop; a dot is BLAS).
             lengths, owners = recovery.piece_lengths[bucket], recovery.piece_params[bucket]
             updates = update.split(lengths)
             squares.index_add_(0, owners, torch.stack([torch.dot(u, u) for u in updates]))
             if first:
-                direction.copy_(update)
+                stored.copy_(update)
                 continue
             directions = direction.split(lengths)
             dots_ud.index_add_(0, owners, torch.stack([torch.dot(u, d) for u, d in zip(updates, directions)]))
             dots_dd.index_add_(0, owners, torch.stack([torch.dot(d, d) for d in directions]))
             direction.lerp_(update, weight)
+            if direction is not stored:
+                stored.copy_(direction)
         norm_u = squares.sum().sqrt()
         if first:
             stats = UpdateStats(update_norm=float(norm_u), cosine=float("nan"))
@@ -314,7 +324,7 @@ class DeltaPredictor:
         if self.direction_kind == "ema" or len(self._history) < 2:
             return self._ema_flat, self._ema
         if self._linear_flat is None:
-            self._linear_flat = torch.zeros_like(self._ema_flat)
+            self._linear_flat = torch.zeros_like(self._ema_flat, dtype=torch.float32)
             self._linear = self._views(self._linear_flat)
             refresh = True
         if refresh:
@@ -371,7 +381,7 @@ class DeltaPredictor:
             self._ema_flat.copy_(state["ema"])
         if state["linear"] is not None:
             if self._linear_flat is None:
-                self._linear_flat = torch.zeros_like(self._ema_flat)
+                self._linear_flat = torch.zeros_like(self._ema_flat, dtype=torch.float32)
                 self._linear = self._views(self._linear_flat)
             self._linear_flat.copy_(state["linear"])
         device = self.device
