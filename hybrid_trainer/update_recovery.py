@@ -51,7 +51,7 @@ class AdamUpdateRecovery:
         self.params = params
         group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
         self._groups = [group_of[id(p)] for p in params]
-        self._captured: list[tuple[float, float, float, float, float, bool, bool] | None] = []
+        self._captured: list[list | None] = []  # per param: lr, β₁, β₂, ε, wd, decoupled, amsgrad, t
         # buckets[k] = (flat start, flat stop, pieces), piece = (param index, start, stop) within the param
         self.buckets: list[tuple[int, int, list[tuple[int, int, int]]]] = []
         pieces, bucket_start, offset = [], 0, 0
@@ -86,28 +86,40 @@ class AdamUpdateRecovery:
         return AdamUpdateRecovery(optimizer, params)
 
     def capture(self) -> None:
-        """Right before the step: each parameter's hyper-parameters, or None for a parameter
-        without a gradient (the step leaves it alone: its update is zero)."""
-        captured = []
-        for p, group in zip(self.params, self._groups):
+        """Right before the step: each parameter's hyper-parameters and the step count its update
+        will be made with (the count before the step plus one: every Adam implementation adds
+        one per parameter with a gradient, from zero for a parameter without state yet), or None
+        for a parameter without a gradient (the step leaves it alone: its update is zero). The
+        counts on an accelerator (fused or capturable) are read in one transfer per device."""
+        captured, on_device = [], {}
+        for index, (p, group) in enumerate(zip(self.params, self._groups)):
             if p.grad is None:
                 captured.append(None)
                 continue
+            state = self.optimizer.state.get(p)
+            step = None if not state else state.get("step")
+            if isinstance(step, torch.Tensor) and step.device.type != "cpu":
+                on_device.setdefault(step.device, []).append((index, step))
+                count = 0.0  # filled in below
+            else:
+                count = 0.0 if step is None else float(step)
             beta1, beta2 = group["betas"]
-            captured.append((float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
+            captured.append([float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
                              float(group["weight_decay"]), bool(group.get("decoupled_weight_decay", False))
-                             or type(self.optimizer) is torch.optim.AdamW, bool(group["amsgrad"])))
+                             or type(self.optimizer) is torch.optim.AdamW, bool(group["amsgrad"]), count + 1])
+        for entries in on_device.values():
+            counts = torch.stack([step.reshape(()).to(torch.float64) for _, step in entries]).tolist()
+            for (index, _), count in zip(entries, counts):
+                captured[index][-1] = count + 1
         self._captured = captured
 
     def _plan(self, index: int) -> tuple | None:
-        """Per-parameter constants of the closed form (one host read of the step count), or None
-        for a parameter the step left alone."""
+        """Per-parameter constants of the closed form, or None for a parameter the step left alone."""
         captured = self._captured[index]
         if captured is None:
             return None
-        lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad = captured
+        lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad, t = captured
         state = self.optimizer.state[self.params[index]]
-        t = float(state["step"])
         step_size = lr / (1 - beta1 ** t)
         second = state["max_exp_avg_sq"] if amsgrad else state["exp_avg_sq"]
         decay = lr * weight_decay if decoupled else 0.0
