@@ -5,7 +5,8 @@ against a copy of the weights taken before the step, or, for Adam/AdamW, recompu
 the optimizer's state (:mod:`~hybrid_trainer.update_recovery`), which spares that copy. From that
 history the predictor keeps a *direction* per parameter and a *scale* per parameter tensor:
 
-* direction ``"ema"``: exponential moving average of the updates (fp32), bias-corrected as
+* direction ``"ema"``: exponential moving average of the updates (averaged in fp32, stored in
+  ``direction_dtype``: fp32, or bf16 as the trainer keeps it), bias-corrected as
   Adam's moments are, so no single early update outweighs the recent ones.
 * direction ``"linear"``: least-squares slope of the weight trajectory over the last K updates,
   which are stored in int8 (per-block absmax, :func:`hybrid_kernels.quantize_int8`).
@@ -52,6 +53,8 @@ class DeltaPredictor:
         history_size: K updates kept in int8 (``"linear"``).
         scale_beta: EMA factor of the per-tensor scale fits.
         scale_max: upper clamp of a scale.
+        direction_dtype: storage of the EMA direction, ``torch.float32`` or ``torch.bfloat16``
+            (half the memory; each recorded step averages in fp32 and rounds once).
         batched_reductions: compute the per-tensor dot products as one elementwise pass into a
             scratch buffer plus one segmented sum (a fixed handful of ops whatever the number of
             tensors) instead of a dot per tensor. Default: on CUDA when no parameter tensor
@@ -81,8 +84,8 @@ class DeltaPredictor:
         self.device = device
         self.sizes = [p.numel() for p in params]
         self.numel = sum(self.sizes)
-        # The fp32 buffers (the EMA direction; θ before a step, then the update u, only where the
-        # update cannot be recomputed from the optimizer's state) are allocated at the first
+        # The buffers (the EMA direction, in direction_dtype; θ before a step, then the update u,
+        # fp32, only where the update cannot be recomputed from the optimizer's state) are allocated at the first
         # recorded step and freed by release(): a trainer that never predicts, or no longer can,
         # holds none of them.
         self._before_flat: torch.Tensor | None = None

@@ -121,3 +121,40 @@ def test_predictor_records_the_same_direction_and_scales_without_a_before_copy()
     for a, b in zip(recovered_stats, measured_stats):
         assert a.update_norm == pytest.approx(b.update_norm, rel=1e-5)
         assert a.cosine == pytest.approx(b.cosine, rel=1e-4, abs=1e-6, nan_ok=True)
+
+
+def _record_bf16(with_optimizer, steps=8):
+    params = _model_params()
+    optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    predictor = DeltaPredictor(params, direction_dtype=torch.bfloat16)
+    for step in range(steps):
+        _set_grads(params, step, skip_last=step == 4)  # as _record
+        predictor.begin_step(optimizer if with_optimizer else None)
+        optimizer.step()
+        predictor.end_step()
+    return predictor
+
+
+def test_bf16_direction_is_the_fp32_one_rounded_and_loads_an_fp32_checkpoint():
+    fp32, _ = _record(True)
+    for with_optimizer in (True, False):
+        bf16 = _record_bf16(with_optimizer)
+        assert bf16._ema_flat.dtype == torch.bfloat16
+        # Rounded once per recorded step: the errors (half a bf16 ulp, 2^-9 of the value then) decay
+        # with the average, so they stay within a couple of ulps of the direction's magnitude;
+        # an element the average brings near zero keeps its absolute, not its relative, error.
+        bound = 2 * 2 ** -8 * float(fp32._ema_flat.abs().max())
+        assert float((bf16._ema_flat.float() - fp32._ema_flat).abs().max()) <= bound
+        torch.testing.assert_close(bf16.scales, fp32.scales, rtol=2e-2, atol=1e-4)
+    state = fp32.state_dict()  # an fp32 direction, as checkpoints before bf16 hold it
+    bf16.load_state_dict(state)
+    assert bf16._ema_flat.dtype == torch.bfloat16
+    assert torch.equal(bf16._ema_flat, state["ema"].to(torch.bfloat16))
+    again = _record_bf16(True, steps=1)
+    again.load_state_dict(bf16.state_dict())  # the bf16 layout round-trips exactly
+    assert torch.equal(again._ema_flat, bf16._ema_flat) and again.n_updates == bf16.n_updates
+
+
+def test_direction_dtype_is_checked():
+    with pytest.raises(ValueError, match="direction_dtype"):
+        DeltaPredictor(_model_params(), direction_dtype=torch.float16)
