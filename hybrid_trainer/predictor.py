@@ -27,7 +27,7 @@ import torch
 
 import hybrid_kernels as hk
 
-from .update_recovery import AdamUpdateRecovery
+from .update_recovery import CHUNK, AdamUpdateRecovery
 
 _HISTORY_BLOCK = 256  # int8 block size of the stored updates
 # Largest parameter tensor (elements) for which batched reductions are the CUDA default: a 4 MB
@@ -197,9 +197,11 @@ class DeltaPredictor:
 
         if self.n_updates == 0:
             self._ema_flat.copy_(update)
-        elif self._ema_flat.dtype != torch.float32:  # averaged in fp32, stored rounded
-            self._ema_flat.copy_(self._ema_flat.float().lerp_(
-                update, (1 - self.ema_beta) / (1 - self.ema_beta ** (self.n_updates + 1))))
+        elif self._ema_flat.dtype != torch.float32:  # averaged in fp32 a chunk at a time, stored rounded
+            weight = (1 - self.ema_beta) / (1 - self.ema_beta ** (self.n_updates + 1))
+            for start in range(0, self.numel, CHUNK):
+                stored = self._ema_flat[start:start + CHUNK]
+                stored.copy_(stored.float().lerp_(update[start:start + CHUNK], weight))
         else:
             # Bias-corrected, as Adam's moments: update k of n weighs (1 − β) β^(n−k) / (1 − βⁿ).
             # Starting the plain EMA at the first update instead gave that one update the weight
@@ -255,9 +257,12 @@ class DeltaPredictor:
             dots_ud = self._segment_dots(self._before_flat, direction_flat)  # _before_flat holds u now
             dots_dd = self._segment_dots(direction_flat, direction_flat)
         else:
-            directions = [d.reshape(-1).float() for d in direction_views]
-            dots_ud = torch.stack([torch.dot(u.reshape(-1), d) for u, d in zip(update_views, directions)])
-            dots_dd = torch.stack([torch.dot(d, d) for d in directions])
+            dots_ud, dots_dd = [], []
+            for u, d in zip(update_views, direction_views):  # a bf16 direction in fp32 one tensor at a time
+                d = d.reshape(-1).float()
+                dots_ud.append(torch.dot(u.reshape(-1), d))
+                dots_dd.append(torch.dot(d, d))
+            dots_ud, dots_dd = torch.stack(dots_ud), torch.stack(dots_dd)
         return self._fit_scales_from_dots(dots_ud, dots_dd, norm_u)
 
     def _end_recovered_step(self, recovery: AdamUpdateRecovery) -> UpdateStats:
