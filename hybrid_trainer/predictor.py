@@ -1,9 +1,12 @@
 """Predicted weight updates from the real update history.
 
-Every real (optimizer) step records ``u = θ_after − θ_before`` for every parameter. From that
+Every real (optimizer) step records ``u = θ_after − θ_before`` for every parameter: measured
+against a copy of the weights taken before the step, or, for Adam/AdamW, recomputed after it from
+the optimizer's state (:mod:`~hybrid_trainer.update_recovery`), which spares that copy. From that
 history the predictor keeps a *direction* per parameter and a *scale* per parameter tensor:
 
-* direction ``"ema"``: exponential moving average of the updates (fp32), bias-corrected as
+* direction ``"ema"``: exponential moving average of the updates (averaged in fp32, stored in
+  ``direction_dtype``: fp32, or bf16 as the trainer keeps it), bias-corrected as
   Adam's moments are, so no single early update outweighs the recent ones.
 * direction ``"linear"``: least-squares slope of the weight trajectory over the last K updates,
   which are stored in int8 (per-block absmax, :func:`hybrid_kernels.quantize_int8`).
@@ -23,6 +26,8 @@ from dataclasses import dataclass
 import torch
 
 import hybrid_kernels as hk
+
+from .update_recovery import CHUNK, AdamUpdateRecovery
 
 _HISTORY_BLOCK = 256  # int8 block size of the stored updates
 # Largest parameter tensor (elements) for which batched reductions are the CUDA default: a 4 MB
@@ -48,6 +53,8 @@ class DeltaPredictor:
         history_size: K updates kept in int8 (``"linear"``).
         scale_beta: EMA factor of the per-tensor scale fits.
         scale_max: upper clamp of a scale.
+        direction_dtype: storage of the EMA direction, ``torch.float32`` or ``torch.bfloat16``
+            (half the memory; each recorded step averages in fp32 and rounds once).
         batched_reductions: compute the per-tensor dot products as one elementwise pass into a
             scratch buffer plus one segmented sum (a fixed handful of ops whatever the number of
             tensors) instead of a dot per tensor. Default: on CUDA when no parameter tensor
@@ -60,7 +67,7 @@ class DeltaPredictor:
 
     def __init__(self, params: list[torch.Tensor], direction: str = "ema", ema_beta: float = 0.98,
                  history_size: int = 4, scale_beta: float = 0.9, scale_max: float = 4.0,
-                 batched_reductions: bool | None = None):
+                 batched_reductions: bool | None = None, direction_dtype: torch.dtype = torch.float32):
         devices = {p.device for p in params}
         if len(devices) != 1:
             raise ValueError(f"params must all live on one device, got {sorted(map(str, devices))}")
@@ -70,13 +77,17 @@ class DeltaPredictor:
         self.history_size = history_size
         self.scale_beta = scale_beta
         self.scale_max = scale_max
+        if direction_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"direction_dtype must be torch.float32 or torch.bfloat16, got {direction_dtype}")
+        self.direction_dtype = direction_dtype
         device = params[0].device
         self.device = device
         self.sizes = [p.numel() for p in params]
         self.numel = sum(self.sizes)
-        # The fp32 buffers (θ before a step, then the update u; the EMA direction) are allocated
-        # at the first recorded step and freed by release(): a trainer that never predicts, or
-        # no longer can, holds none of them (two copies of the weights).
+        # The buffers (the EMA direction, in direction_dtype; θ before a step, then the update u,
+        # fp32, only where the update cannot be recomputed from the optimizer's state) are allocated at the first
+        # recorded step and freed by release(): a trainer that never predicts, or no longer can,
+        # holds none of them.
         self._before_flat: torch.Tensor | None = None
         self._ema_flat: torch.Tensor | None = None
         self._before: list[torch.Tensor] = []
@@ -94,6 +105,9 @@ class DeltaPredictor:
         self.n_updates = 0
         self.n_scale_fits = 0
         self._recording = False
+        self._recovery: AdamUpdateRecovery | None = None
+        self._recovering: AdamUpdateRecovery | None = None  # set between begin_step and end_step
+        self._chunk_scratch: torch.Tensor | None = None  # one bucket's update (update_recovery.CHUNK at most)
         # Checked and planned once per direction buffer: a plain apply_delta_ call re-inspects
         # every parameter, which on a GPU costs more than the kernel (bench/test_bench_apply_delta.py).
         self._appliers: dict[int, hk.DeltaApplier] = {}
@@ -108,16 +122,31 @@ class DeltaPredictor:
 
     def _allocate(self) -> None:
         if self._ema_flat is None:
-            self._before_flat = torch.empty(self.numel, dtype=torch.float32, device=self.device)
-            self._ema_flat = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
-            self._before = self._views(self._before_flat)
+            self._ema_flat = torch.zeros(self.numel, dtype=self.direction_dtype, device=self.device)
             self._ema = self._views(self._ema_flat)
+
+    def _allocate_before(self) -> None:
+        if self._before_flat is None:
+            self._before_flat = torch.empty(self.numel, dtype=torch.float32, device=self.device)
+            self._before = self._views(self._before_flat)
+
+    def _recovery_for(self, optimizer: torch.optim.Optimizer | None) -> AdamUpdateRecovery | None:
+        """The closed-form recovery of ``optimizer``'s updates (None: measure with a before-copy).
+        Not with the ``"linear"`` direction (its history quantises the whole update at once) nor
+        with batched reductions (a GPU's launch-bound path wants the flat buffers)."""
+        if optimizer is None or self.direction_kind != "ema" or self.batched_reductions:
+            return None
+        if self._recovery is None or self._recovery.optimizer is not optimizer:
+            self._recovery = AdamUpdateRecovery.for_optimizer(optimizer, self.params)
+        return self._recovery
 
     def release(self) -> None:
         """Forget the recorded history and free every buffer that grows with the model (the
         update history starts again at the next :meth:`begin_step`). For a trainer whose
         prediction is off for good: the buffers would otherwise stay allocated for nothing."""
         self._before_flat = self._ema_flat = self._linear_flat = self._scratch_flat = None
+        self._chunk_scratch = None
+        self._recovering = None
         self._before, self._ema, self._linear = [], [], None
         self._history = []
         self._appliers.clear()
@@ -127,10 +156,21 @@ class DeltaPredictor:
 
     # -- recording real updates ------------------------------------------------------------
     @torch.no_grad()
-    def begin_step(self) -> None:
-        """Call right before ``optimizer.step()``."""
+    def begin_step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Call right before ``optimizer.step()``. With ``optimizer`` given (and certain to step:
+        no GradScaler that may skip it), an Adam/AdamW update is recomputed from its state after
+        the step (:mod:`~hybrid_trainer.update_recovery`) instead of measured against a copy of
+        the weights taken here: one fp32 copy of the model less at the step's memory peak."""
         self._allocate()
-        torch._foreach_copy_(self._before, self.params)  # no_grad: no detach needed (one host op per tensor on a GPU)
+        recovery = self._recovery_for(optimizer)
+        if recovery is not None:
+            recovery.capture()
+            if self._before_flat is not None:  # left by an earlier measured step
+                self._before_flat, self._before = None, []
+        else:
+            self._allocate_before()
+            torch._foreach_copy_(self._before, self.params)  # no_grad: no detach needed (one host op per tensor on a GPU)
+        self._recovering = recovery
         self._recording = True
 
     @torch.no_grad()
@@ -139,6 +179,9 @@ class DeltaPredictor:
         if not self._recording:
             raise RuntimeError("DeltaPredictor.end_step() without begin_step()")
         self._recording = False
+        if self._recovering is not None:
+            recovery, self._recovering = self._recovering, None
+            return self._end_recovered_step(recovery)
         torch._foreach_sub_(self._before, [p.float() if p.dtype != torch.float32 else p for p in self.params])
         update = self._before_flat.neg_()  # now u = θ_after − θ_before
         update_views = self._before
@@ -154,6 +197,11 @@ class DeltaPredictor:
 
         if self.n_updates == 0:
             self._ema_flat.copy_(update)
+        elif self._ema_flat.dtype != torch.float32:  # averaged in fp32 a chunk at a time, stored rounded
+            weight = (1 - self.ema_beta) / (1 - self.ema_beta ** (self.n_updates + 1))
+            for start in range(0, self.numel, CHUNK):
+                stored = self._ema_flat[start:start + CHUNK]
+                stored.copy_(stored.float().lerp_(update[start:start + CHUNK], weight))
         else:
             # Bias-corrected, as Adam's moments: update k of n weighs (1 − β) β^(n−k) / (1 − βⁿ).
             # Starting the plain EMA at the first update instead gave that one update the weight
@@ -185,7 +233,8 @@ class DeltaPredictor:
                 torch._foreach_copy_([view for view, _ in present], [g for _, g in present])
             dots = self._segment_dots(scratch, direction_flat)
         else:
-            dots = torch.stack([torch.dot(g.reshape(-1).float(), d.reshape(-1)) if g is not None else d.new_zeros(())
+            dots = torch.stack([torch.dot(g.reshape(-1).float(), d.reshape(-1).float()) if g is not None
+                                else d.new_zeros((), dtype=torch.float32)
                                 for g, d in zip(grads, direction_views)])
         return -float(torch.dot(self.scales, dots))
 
@@ -208,9 +257,53 @@ class DeltaPredictor:
             dots_ud = self._segment_dots(self._before_flat, direction_flat)  # _before_flat holds u now
             dots_dd = self._segment_dots(direction_flat, direction_flat)
         else:
-            dots_ud = torch.stack([torch.dot(u.reshape(-1), d.reshape(-1))
-                                   for u, d in zip(update_views, direction_views)])
-            dots_dd = torch.stack([torch.dot(d.reshape(-1), d.reshape(-1)) for d in direction_views])
+            dots_ud, dots_dd = [], []
+            for u, d in zip(update_views, direction_views):  # a bf16 direction in fp32 one tensor at a time
+                d = d.reshape(-1).float()
+                dots_ud.append(torch.dot(u.reshape(-1), d))
+                dots_dd.append(torch.dot(d, d))
+            dots_ud, dots_dd = torch.stack(dots_ud), torch.stack(dots_dd)
+        return self._fit_scales_from_dots(dots_ud, dots_dd, norm_u)
+
+    def _end_recovered_step(self, recovery: AdamUpdateRecovery) -> UpdateStats:
+        """:meth:`end_step` with the update recomputed a bucket at a time into a scratch buffer
+        of at most ``update_recovery.CHUNK`` elements: each bucket's dots against the direction are taken before
+        it is folded into the EMA, as the measured path does for the whole buffer."""
+        first = self.n_updates == 0
+        weight = (1 - self.ema_beta) / (1 - self.ema_beta ** (self.n_updates + 1))
+        n_params = len(self.params)
+        dots_ud, dots_dd, squares = (self._ema_flat.new_zeros(n_params, dtype=torch.float32) for _ in range(3))
+        longest = max(stop - start for start, stop, _ in recovery.buckets)
+        if self._chunk_scratch is None or self._chunk_scratch.numel() < longest:
+            self._chunk_scratch = torch.empty(longest, dtype=torch.float32, device=self.device)
+        for bucket, (start, stop, _) in enumerate(recovery.buckets):
+            length = stop - start
+            update = self._chunk_scratch[:length]
+            recovery.bucket_update(bucket, update)
+            stored = self._ema_flat[start:stop]
+            direction = stored if stored.dtype == torch.float32 else stored.float()  # bucket-sized transient
+            # Per-piece dots (a CPU's segment_reduce is a slow scalar loop; a dot is BLAS).
+            lengths, owners = recovery.piece_lengths[bucket], recovery.piece_params[bucket]
+            updates = update.split(lengths)
+            squares.index_add_(0, owners, torch.stack([torch.dot(u, u) for u in updates]))
+            if first:
+                stored.copy_(update)
+                continue
+            directions = direction.split(lengths)
+            dots_ud.index_add_(0, owners, torch.stack([torch.dot(u, d) for u, d in zip(updates, directions)]))
+            dots_dd.index_add_(0, owners, torch.stack([torch.dot(d, d) for d in directions]))
+            direction.lerp_(update, weight)
+            if direction is not stored:
+                stored.copy_(direction)
+        norm_u = squares.sum().sqrt()
+        if first:
+            stats = UpdateStats(update_norm=float(norm_u), cosine=float("nan"))
+        else:
+            stats = self._fit_scales_from_dots(dots_ud, dots_dd, norm_u)
+        self.n_updates += 1
+        return stats
+
+    def _fit_scales_from_dots(self, dots_ud: torch.Tensor, dots_dd: torch.Tensor, norm_u: torch.Tensor) -> UpdateStats:
         fits = torch.where(dots_dd > 0, dots_ud / dots_dd.clamp_min(1e-30), torch.zeros_like(dots_dd))
         fits = fits.clamp_(0.0, self.scale_max)
         if self.n_scale_fits == 0:
@@ -239,7 +332,7 @@ class DeltaPredictor:
         if self.direction_kind == "ema" or len(self._history) < 2:
             return self._ema_flat, self._ema
         if self._linear_flat is None:
-            self._linear_flat = torch.zeros_like(self._ema_flat)
+            self._linear_flat = torch.zeros_like(self._ema_flat, dtype=torch.float32)
             self._linear = self._views(self._linear_flat)
             refresh = True
         if refresh:
@@ -296,7 +389,7 @@ class DeltaPredictor:
             self._ema_flat.copy_(state["ema"])
         if state["linear"] is not None:
             if self._linear_flat is None:
-                self._linear_flat = torch.zeros_like(self._ema_flat)
+                self._linear_flat = torch.zeros_like(self._ema_flat, dtype=torch.float32)
                 self._linear = self._views(self._linear_flat)
             self._linear_flat.copy_(state["linear"])
         device = self.device

@@ -387,7 +387,8 @@ class HybridTrainer:
         if record:
             mark = worth.clock("recording")
             worth.measure(predictor, [p.grad for p in self.params], self.loss_trend)
-            predictor.begin_step()
+            # Under a GradScaler the step may be skipped: the update is measured, not recomputed.
+            predictor.begin_step(self.optimizer if self.scaler is None else None)
             recording_s = worth.clock("recording") - mark
         if self.scaler is not None:
             self.scaler.step(self.optimizer)

@@ -102,8 +102,14 @@ def test_ddp_run_is_the_single_process_run_on_the_concatenated_batches(ddp_runs)
         assert (want is None) == (got is None)
         if want is not None:
             assert got == pytest.approx(want, rel=1e-5)
+    # The ranks average gradients in another order than one process sums them (fp32 rounding).
+    # The predicted direction is stored in bf16, so such a difference can, rarely, round one of
+    # its elements to the neighbouring bf16 value: that element's predicted steps then differ by
+    # 2^-8 of themselves. Everything else agrees to fp32 rounding.
     for got, want in zip(result["weights"], weights):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        close = torch.isclose(got, want, rtol=1e-4, atol=1e-5)
+        assert float(close.float().mean()) >= 0.999, f"{int((~close).sum())} of {close.numel()} differ"
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-3)
 
 
 @pytest.mark.slow

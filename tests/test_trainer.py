@@ -71,7 +71,7 @@ def test_predicted_step_changes_weights_by_exactly_the_delta_in_place(stream):
     assert result.phase == "PREDICT" and not result.backward_done and not result.verified
     for p, b, d, s in zip(trainer.params, before, direction, scales):
         assert torch.equal(p.detach(), b.clone().add_(d, alpha=float(s)))  # p += s·d, one rounding (fma)
-        torch.testing.assert_close(p.detach(), b + s * d, rtol=0, atol=1e-6)
+        torch.testing.assert_close(p.detach(), b + s * d.float(), rtol=0, atol=1e-6)
     assert any(not torch.equal(p, b) for p, b in zip(trainer.params, before))
     assert [p.data_ptr() for p in trainer.params] == ptrs
 
