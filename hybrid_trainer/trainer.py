@@ -48,7 +48,7 @@ from .predict_phase import PredictPhase
 from .run_report import RunStatistics, StepResult, format_summary, run_statistics
 from .setup_checks import (check_arguments, check_ddp_trains_only_its_module, check_dense, check_predictable,
                            check_scheduler, check_train_mode)
-from .state_registry import CHECKPOINT_VERSION, rng_of_rank, trainer_registry, upgrade_v1
+from .state_registry import in_current_layout, rng_of_rank, trainer_registry
 from .step_guard import StepGuard
 from .trained_set import TrainedSet
 from .verifier import LossTrend
@@ -381,14 +381,7 @@ class HybridTrainer:
         return self.registry.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("version") == 1:
-            state = upgrade_v1(state)
-        if "nowcast" not in state:  # saved before nowcast jumps existed: none was in flight
-            state = dict(state, nowcast=None)
-        if state.get("version") != CHECKPOINT_VERSION:
-            raise ValueError(f"checkpoint version {state.get('version')!r} is not {CHECKPOINT_VERSION} "
-                             f"(nor 1, which still loads)")
-        state = {"optimizer_class": None, **state}  # written before the class was saved: not compared
+        state = in_current_layout(state)
         resume_check.check_loadable(self, state)  # everything, before anything is restored
         self.registry.load_state_dict(state)
         checkpoint.restore_rng(rng_of_rank(state, self.ranks))
