@@ -281,6 +281,31 @@ def main(argv: list[str] | None = None) -> None:
     summarise(results, out, quick=args.quick)
 
 
+def arm_runs(entry: dict[str, Any], arm: str) -> list[tuple[str, dict[str, Any], dict[str, Any] | None]]:
+    """``(seed, the arm's run, that seed's cosine run)`` for every seed of one task that ran ``arm``."""
+    return [(s, arms[arm], arms.get("cosine")) for s, arms in entry["seeds"].items() if arm in arms]
+
+
+def speedups(runs: list[tuple[str, dict[str, Any], dict[str, Any] | None]],
+             frac: float) -> tuple[list[int | None], list[float], list[float]]:
+    """Against each seed's tuned cosine run, to its validation loss at ``frac`` of its steps
+    (1.0: its final loss): the step at which each run reached it (None: never), and the step and
+    wall-clock speed-ups of the runs that did."""
+    reach, sps, walls = [], [], []
+    for _, r, cos in runs:
+        if cos is None:
+            continue
+        idx = min(len(cos["curve"]) - 1, round(frac * (len(cos["curve"]) - 1)))
+        target = cos["curve"][idx]["loss"] if frac < 1 else cos["final_loss"]
+        c_step, c_s = first_reach(cos["curve"], target)
+        a_step, a_s = first_reach(r["curve"], target)
+        reach.append(a_step)
+        if a_step:
+            sps.append(c_step / a_step)
+            walls.append(c_s / a_s if a_s else math.nan)
+    return reach, sps, walls
+
+
 def summarise(results: dict[str, Any], out: Path, quick: bool = False) -> None:
     """Targets, speed-ups and the markdown table + plot from ``results``."""
     commands = results.get("commands") or [results["command"]]
@@ -317,21 +342,10 @@ def summarise(results: dict[str, Any], out: Path, quick: bool = False) -> None:
         for arms in entry["seeds"].values():
             arm_names += [a for a in arms if a not in arm_names]
         for arm in arm_names:
-            runs = [(s, arms[arm], arms.get("cosine")) for s, arms in entry["seeds"].items() if arm in arms]
+            runs = arm_runs(entry, arm)
             steps_cells, sp_cells, wall_cells = [], [], []
             for frac in (0.5, 0.75, 1.0):
-                reach, sps, walls = [], [], []
-                for _, r, cos in runs:
-                    if cos is None:
-                        continue
-                    idx = min(len(cos["curve"]) - 1, round(frac * (len(cos["curve"]) - 1)))
-                    target = cos["curve"][idx]["loss"] if frac < 1 else cos["final_loss"]
-                    c_step, c_s = first_reach(cos["curve"], target)
-                    a_step, a_s = first_reach(r["curve"], target)
-                    reach.append(a_step)
-                    if a_step:
-                        sps.append(c_step / a_step)
-                        walls.append(c_s / a_s if a_s else math.nan)
+                reach, sps, walls = speedups(runs, frac)
                 steps_cells.append("/".join(str(x) if x is not None else "–" for x in reach))
                 sp_cells.append(f"{_gmean(sps):.2f}×" if len(sps) == len(runs) and sps else
                                 (f"{_gmean(sps):.2f}× ({len(sps)}/{len(runs)})" if sps else "–"))

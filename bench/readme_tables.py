@@ -77,11 +77,94 @@ def status() -> str:
         ("The same under DDP (2 CPU ranks, Fashion-MNIST)",
          f"{no_predict['time_vs_plain']:.2f}× the plain DDP loop's training time (seeds "
          f"{no_predict['time_vs_plain_range'][0]:.2f}–{no_predict['time_vs_plain_range'][1]:.2f})", _cmd(ddp)),
-        ("The trainer's per-step overhead in isolation; its memory overhead", NOT_MEASURED, "–"),
     ]
+    rows += _overhead_rows() + _capacity_rows() + _nowcast_rows()
     lines = ["| what | measured (char-LM / Fashion-MNIST / digits where three) | command |", "|---|---|---|"]
     lines += [f"| {what} | {figure} | {command} |" for what, figure, command in rows]
     return "\n".join(lines)
+
+
+OVERHEAD_MODELS = {"mlp-1ms": "1 ms MLP", "fashion": "Fashion-MNIST", "charlm": "char-LM", "mlp-50m": "51M MLP"}
+
+
+def _overhead_rows() -> list[tuple[str, str, str]]:
+    """The trainer against the plain AdamW loop in isolation (``bench.overhead``)."""
+    path = RESULTS / "overhead.json"
+    if not path.exists():
+        return [("The trainer's per-step overhead in isolation; its memory overhead", NOT_MEASURED, "–")]
+    data = _load("overhead.json")
+    models = {m: data["models"][m]["arms"] for m in OVERHEAD_MODELS if m in data["models"]}
+    names = " / ".join(OVERHEAD_MODELS[m] for m in models)
+
+    def vs(arm: str, key: str, fmt: str) -> str:
+        return " / ".join(format(a[arm]["vs_plain"][key], fmt) for a in models.values())
+
+    cmd = f"`{data['command']}`"
+    return [
+        (f"The trainer's cost per step next to the plain loop, prediction off ({names})",
+         f"+{vs('predict=False', 'overhead_us', '.0f')} µs, i.e. {vs('predict=False', 'time_ratio', '.3f')}× "
+         f"(goal: ≤ 50 µs, ≤ 1.02× on steps of 5 ms or more)", cmd),
+        (f"Peak training memory next to the plain loop ({names})",
+         f"`predict=False` {vs('predict=False', 'memory_ratio', '.2f')}×; default config "
+         f"{vs('default', 'memory_ratio', '.2f')}× (goals 1.03× and 1.10×)", cmd),
+    ]
+
+
+def _capacity_rows() -> list[tuple[str, str, str]]:
+    """Training state per parameter and the largest model trained here (``bench.capacity``)."""
+    if not (RESULTS / "capacity.json").exists() or not (RESULTS / "capacity_big.json").exists():
+        return []
+    sweep, big = _load("capacity.json"), _load("capacity_big.json")
+    fits = sweep["sweep"]["fits"]
+    largest = max((row for row in big["big"] if "peak_rss" in row), key=lambda row: row["parameters"])
+    losses = largest["losses"]
+    head, tail = losses[:5], losses[-5:]
+    return [
+        ("Training state per parameter (slope of peak memory over 3 GPT sizes)",
+         f"fp32 AdamW {fits['fp32 AdamW']['bytes_per_param']:.1f} bytes/param; the stack's smallest (step in the "
+         f"backward + 4-bit moments + bf16 weights) {fits['in-backward + 4-bit + bf16']['bytes_per_param']:.1f} "
+         f"measured, {fits['in-backward + 4-bit + bf16']['plan_bytes_per_param']:.2f} of training state in its plan, "
+         f"step time {fits['in-backward + 4-bit + bf16']['step_time_factor']:.2f}× fp32 (goal ≤ 3 bytes/param with "
+         f"≤ 1% loss gap: loss parity not yet in a result file)",
+         "`python -m bench.capacity --part sweep`"),  # the file's own command is its last part's
+        ("Largest model trained on this 24 GiB, 2-core machine (the planner choosing)",
+         f"**{largest['parameters'] / 1e9:.2f}B** parameters (Llama-shaped), {len(losses)} steps on the King James text, "
+         f"peak {largest['peak_rss'] / 2 ** 30:.2f} GiB (planned {largest['predicted_peak'] / 2 ** 30:.2f}), "
+         f"{largest['peak_rss'] / largest['parameters']:.2f} bytes/param for the whole process, loss "
+         f"{sum(head) / len(head):.2f} → {sum(tail) / len(tail):.2f} (mean of first / last 5 steps)",
+         f"`{big['command']}`"),
+    ]
+
+
+NOWCAST_ARMS = (("cosine+nc:judged:cap16", "as the trainer runs it (judged, capped)"),
+                ("cosine+nc:reset", "best arm, moments reset"))
+
+
+def _nowcast_rows() -> list[tuple[str, str, str]]:
+    """Learned nowcaster jumps on tasks it never saw, against the tuned cosine run (``bench.nowcast_heldout``)."""
+    path = RESULTS / "nowcast_heldout.json"
+    if not path.exists():
+        return []
+    from bench.nowcast_heldout import _gmean, arm_runs, speedups
+
+    data = _load("nowcast_heldout.json")
+    parts = []
+    for arm, label in NOWCAST_ARMS:
+        cells = []
+        for task, entry in data["tasks"].items():
+            runs = arm_runs(entry, arm)
+            if not runs:
+                cells.append(f"{task} not run")
+                continue
+            _, sps, _ = speedups(runs, 0.75)
+            cells.append(f"{task} {_gmean(sps):.2f}×" + ("" if len(sps) == len(runs) else f" ({len(sps)} of {len(runs)} seeds)")
+                         if sps else f"{task} not reached")
+        parts.append(f"{label}: " + ", ".join(cells))
+    seeds = max(len(e["seeds"]) for e in data["tasks"].values())
+    return [("Learned nowcaster jumps (opt-in, `predictor=\"nowcast\"`) over a tuned cosine schedule, held-out tasks",
+             f"steps to the cosine run's loss at 75% of its steps: {'; '.join(parts)} "
+             f"({data['steps']} steps, ≤ {seeds} seeds; goal 1.5×: **not met**)",
+             " ".join(f"`{c}`" for c in data.get("commands") or [data["command"]]))]
 
 
 E2E_COLUMNS = (("HybridTrainer (default)", "trainer (default)"), ("HybridTrainer (no-predict)", "`predict=False`"),

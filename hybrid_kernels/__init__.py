@@ -19,6 +19,7 @@ Every op follows one pattern, in one file per op (``apply_delta.py``, ``int8_qua
 """
 from ._dispatch import BACKEND_ENV, backend_counts, last_backend, reset_backend_counts
 from ._triton_compat import HAS_TRITON, INTERPRET
+from .adamw_lowbit import adamw_lowbit_update_
 from .apply_delta import DeltaApplier, apply_delta_
 from .attention_module import CausalSelfAttention
 from .encode_state import StateHistory, encode_state
@@ -33,6 +34,7 @@ __all__ = [
     "HAS_TRITON",
     "INTERPRET",
     "StateHistory",
+    "adamw_lowbit_update_",
     "apply_delta_",
     "backend_counts",
     "dequantize_int8",

@@ -16,6 +16,8 @@ from .combined_optimizer import CombinedOptimizer
 from .config import HybridConfig
 from .errors import TrainingStalledError
 from .events import Callback, RefusedUpdate, Rollback, TrainedSetChange
+from .lowbit_adamw import LowBitAdamW
+from .memory_plan import MemoryPlan
 from .phases import Phase
 from .trainer import HybridTrainer, StepResult
 
@@ -23,5 +25,5 @@ from .trainer import HybridTrainer, StepResult
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __version__ = "0.1.0"
-__all__ = ["Callback", "CombinedOptimizer", "HybridConfig", "HybridTrainer", "Phase", "RefusedUpdate", "Rollback",
-           "StepResult", "TrainedSetChange", "TrainingStalledError", "__version__"]
+__all__ = ["Callback", "CombinedOptimizer", "HybridConfig", "HybridTrainer", "LowBitAdamW", "MemoryPlan", "Phase",
+           "RefusedUpdate", "Rollback", "StepResult", "TrainedSetChange", "TrainingStalledError", "__version__"]

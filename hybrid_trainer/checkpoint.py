@@ -260,9 +260,32 @@ def atomic_save(obj, path: str | os.PathLike) -> Path:
     return path
 
 
+# Plain-data classes some third-party optimizers keep in their state (low-rank projectors of
+# GaLore and APOLLO: tensors and numbers in their attributes), allowed when their package is
+# installed so a checkpoint of such an optimizer loads with weights_only=True.
+OPTIMIZER_STATE_CLASSES = (("galore_torch.galore_projector", "GaLoreProjector"),
+                           ("apollo_torch.random_projector", "GradientProjector"),
+                           ("apollo_torch.svd_projector", "GaLoreProjector"))
+
+
+def _optimizer_state_classes() -> list[type]:
+    import importlib
+    import sys
+
+    found = []
+    for module_name, name in OPTIMIZER_STATE_CLASSES:
+        if module_name.split(".")[0] in sys.modules:  # only packages the run already uses
+            try:
+                found.append(getattr(importlib.import_module(module_name), name))
+            except (ImportError, AttributeError):
+                pass
+    return found
+
+
 def load(path: str | os.PathLike, map_location=None):
-    """Load a checkpoint written by :func:`atomic_save` (tensors, numbers, strings, containers only:
-    ``weights_only`` loading, so a pickle that would run code is refused).
+    """Load a checkpoint written by :func:`atomic_save` (tensors, numbers, strings, containers and
+    the optimizer-state classes of :data:`OPTIMIZER_STATE_CLASSES` only: ``weights_only`` loading,
+    so a pickle that would run code is refused).
 
     The data is hashed and compared with the digest saved with it before anything is unpickled.
     Raises :class:`CorruptCheckpointError` (naming the file) on a mismatch, a truncated file or one
@@ -280,6 +303,7 @@ def load(path: str | os.PathLike, map_location=None):
             length = os.fstat(file.fileno()).st_size
         stream = io.BufferedReader(_Prefix(file, length), buffer_size=1 << 16)
         try:
-            return torch.load(stream, map_location=map_location, weights_only=True)
+            with torch.serialization.safe_globals(_optimizer_state_classes()):
+                return torch.load(stream, map_location=map_location, weights_only=True)
         except (RuntimeError, EOFError) as error:  # torch's zip reader: not a (complete) checkpoint
             raise CorruptCheckpointError(f"checkpoint {str(path)!r} cannot be read: {error}") from error

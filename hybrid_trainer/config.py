@@ -125,6 +125,22 @@ class HybridConfig:
             and not beyond 32, and capping softens the first, destructive jumps (docs/nowcaster.md).
         nowcast_moments: ``"keep"`` or ``"reset"`` the optimizer state at a jump.
         nowcast_weights: path of nowcaster weights (None: the ones shipped with the package).
+
+    Memory (:mod:`hybrid_trainer.memory_plan`, docs/memory.md)
+        memory_budget: peak memory a step may use, bytes or a string with a unit ("20GiB",
+            "1.5GB"); None: no planning beyond the knobs below. The trainer predicts the peak at
+            construction (an activation probe when given ``example_batch``), chooses the cheapest
+            techniques that fit ("auto" knobs), exposes ``trainer.memory_plan`` and raises
+            ``ValueError`` naming the shortfall when nothing fits.
+        optimizer_state_bits: 8 or 4 (AdamW moments block-wise quantized: 2.03 or 1.06 bytes/param
+            instead of 8; a small quality cost, measured in docs/memory.md), None (fp32 moments),
+            or "auto" (the planner's choice; plain fp32 without a budget). Adam/AdamW only.
+        step_in_backward: update each parameter inside the backward pass and free its gradient
+            at once (no gradient tensors kept: −4 bytes/param in fp32); needs grad_clip=None,
+            grad_accumulation=1 and predict=False; None: the planner's choice.
+        weight_dtype: "bfloat16" (weights stored bf16, updated in fp32 and rounded
+            stochastically: −2 bytes/param for weights and gradients each; the forward runs
+            under bf16 autocast), "float32" (as the model is), or "auto" (the planner's choice).
     """
 
     predict: bool = True
@@ -178,6 +194,10 @@ class HybridConfig:
     tensorboard_dir: str | None = None
     weight_average: bool = False
     seed: int = 0
+    memory_budget: int | str | None = None
+    optimizer_state_bits: int | str | None = "auto"
+    step_in_backward: bool | None = None
+    weight_dtype: str = "auto"
 
     predictor: str = "steps"
     nowcast_spacing: int = 50
@@ -302,6 +322,21 @@ class HybridConfig:
              "a finite number")
         need("nowcast_weights", self.nowcast_weights is None or isinstance(self.nowcast_weights, str),
              "None or a path")
+        if self.memory_budget is not None:
+            from .memory_plan import parse_bytes
+            parse_bytes(self.memory_budget)
+        need("optimizer_state_bits", self.optimizer_state_bits in (8, 4, None, "auto")
+             and not isinstance(self.optimizer_state_bits, bool), "8, 4, None or 'auto'")
+        need("step_in_backward", self.step_in_backward in (None, True, False), "None, True or False")
+        need("weight_dtype", self.weight_dtype in ("auto", "float32", "bfloat16"), "'auto', 'float32' or 'bfloat16'")
+        if self.step_in_backward:
+            for name, ok, why in (("grad_clip", self.grad_clip is None, "None: global clipping needs the global "
+                                   "norm before any update, and the step inside the backward updates as it goes"),
+                                  ("grad_accumulation", self.grad_accumulation == 1, "1: the step inside the "
+                                   "backward frees each gradient at once, so none is kept between micro-batches"),
+                                  ("predict", self.predict is False, "False: predicted steps record each update "
+                                   "around optimizer.step(), which the step inside the backward replaces")):
+                need(name, ok, f"{why} (step_in_backward=True)")
 
     @property
     def horizon(self) -> int:

@@ -42,6 +42,7 @@ from .events import Events
 from .forecaster import StateForecaster
 from .loss_call import checked_loss, micro_batches
 from .memory import MemoryProfiler, VRAMGuard, default_reader
+from .memory_plan import memory_in_use, refine_plan, setup_memory
 from .metrics import MetricsLogger, plot_run
 from .phases import Phase, PhaseController
 from .predict_phase import PredictPhase
@@ -69,6 +70,8 @@ class HybridTrainer:
         loss_fn: ``loss_fn(model, batch) -> 0-d tensor`` (see module docstring).
         config: :class:`HybridConfig` (defaults if None).
         scheduler: optional LR scheduler, stepped after each real optimizer step.
+        example_batch: a batch like those ``step`` will get, for the memory plan's activation
+            probe (one forward, no update); None: activations are not counted in the plan.
         callbacks: objects whose hooks (``on_step_end``, ``on_phase_change``, ``on_rollback``, ...:
             :mod:`hybrid_trainer.events`) run at the end of each step that has their event.
 
@@ -79,7 +82,7 @@ class HybridTrainer:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], config: HybridConfig | None = None,
-                 scheduler: Any | None = None, callbacks: Sequence[Any] | None = None):
+                 scheduler: Any | None = None, callbacks: Sequence[Any] | None = None, example_batch: Any = None):
         config = check_arguments(model, optimizer, loss_fn, config)
         check_scheduler(scheduler, optimizer)
         self.model, self.optimizer, self.loss_fn, self.config, self.scheduler = model, optimizer, loss_fn, config, scheduler
@@ -92,6 +95,15 @@ class HybridTrainer:
         self.device = self.params[0].device
         self.ranks = RankSync(model, self.device)  # collectives that keep DDP ranks' decisions identical
         check_ddp_trains_only_its_module(self.ranks, self.trained.outside_model)
+        # --- memory plan (hybrid_trainer.memory_plan): may store the weights in bf16, rebuild the
+        # optimizer as LowBitAdamW over the same param groups and step inside the backward.
+        memory = setup_memory(model, optimizer, self.params, loss_fn, config, example_batch)
+        self.memory_plan, self.in_backward, self._plan_autocast = memory.plan, memory.in_backward, memory.autocast_dtype
+        self.optimizer = self.trained.optimizer = optimizer = memory.optimizer
+        if self.in_backward is not None and self.ranks.active:
+            raise ValueError("HybridConfig.step_in_backward: under DistributedDataParallel a parameter's hook "
+                             "fires before DDP has averaged its gradient across ranks; use step_in_backward=False")
+        # --- end memory plan
         # Output paths decide nothing (and rank 0 alone writes the metrics): they may differ.
         self.ranks.check_same("config", {k: v for k, v in config.to_dict().items()
                                          if k not in ("metrics_path", "emergency_checkpoint_path", "tensorboard_dir",
@@ -141,6 +153,12 @@ class HybridTrainer:
             from .nowcast_jump import make_nowcast
             self.nowcast = make_nowcast(config, model, optimizer, scheduler, self.ranks)
         self.registry = trainer_registry(self)
+        # memory plan: the prediction again from what the built trainer holds now
+        refine_plan(self.memory_plan, memory_in_use(self.device), self._predictor_bytes())
+
+    def _predictor_bytes(self) -> int:
+        """Bytes the update predictor holds now (its buffers may be allocated lazily)."""
+        return sum(t.numel() * t.element_size() for t in vars(self.predictor).values() if isinstance(t, torch.Tensor))
 
     # Collaborators' parts that users, benchmarks and tests read from the trainer.
     params = property(lambda self: self.trained.params, doc="Every tensor trained now (model's first).")
@@ -228,7 +246,9 @@ class HybridTrainer:
         return micro_batches(batch, self.config.grad_accumulation)
 
     def _loss(self, batch: Any) -> torch.Tensor:
-        return checked_loss(self.loss_fn, self.model, batch, self.config.autocast_dtype, self.device)
+        # memory plan: bf16 weights run a bf16 forward
+        return checked_loss(self.loss_fn, self.model, batch, self.config.autocast_dtype or self._plan_autocast,
+                            self.device)
 
     # ----------------------------------------------------------------------- real steps ----
     def _real_step(self, batch: Any, phase: Phase) -> StepResult:
@@ -254,6 +274,10 @@ class HybridTrainer:
                 loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
                 if last:  # every decision below reads the mean over all ranks' data; it travels during the backward
                     mean_loss = self.ranks.start_mean(loss_sum)
+                if self.in_backward is not None:  # memory plan: the update runs inside this backward
+                    if not math.isfinite(float(loss.detach())):
+                        continue  # a non-finite loss: no backward, so no update at all (refused below)
+                    self.in_backward.arm()
                 # Every micro-batch goes backward, even after a non-finite loss (the update is
                 # refused below): reading the loss here would stall a GPU's queue once more per step.
                 (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
@@ -265,6 +289,10 @@ class HybridTrainer:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         norm = guard.grad_norm()
+        partly_applied = False
+        if self.in_backward is not None:  # memory plan: the hooks measured the norm and updated
+            in_backward_norm, partly_applied = self.in_backward.finish()
+            norm = torch.tensor(in_backward_norm)
         # The guard's read waits for the device; with a skip on the device it can wait while the
         # optimizer step runs (see StepGuard.steps_on_device) instead of before it is launched.
         overlapped = guard.steps_on_device(record)
@@ -274,6 +302,9 @@ class HybridTrainer:
             total, grad_norm = guard.read_loss_and_norm(loss_sum, norm)
         report = guard.check(total, grad_norm)
         if report.critical:
+            if partly_applied and guard.good_state.is_set:  # memory plan: undo the finite updates already made
+                guard.good_state.restore(self.optimizer)
+                self.stats.divergence_rollbacks += 1
             rolled_back = guard.refuse_update(total, grad_norm, report, self.step_count)
             self.controller.force_full()
             return StepResult(step=self.step_count, phase=phase.value, loss=total if math.isfinite(total) else None,
@@ -290,7 +321,7 @@ class HybridTrainer:
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
-        elif not overlapped:
+        elif not overlapped and self.in_backward is None:  # memory plan: already stepped inside the backward
             self.optimizer.step()
         self.stats.optimizer_steps += 1
         if self.weight_average is not None:
@@ -378,11 +409,18 @@ class HybridTrainer:
         """Everything needed to resume exactly: the state of every part registered in
         :func:`~hybrid_trainer.state_registry.trainer_registry` (model, optimizer, scheduler, predictor, snapshots, dynamics model,
         histories, controller, monitors, counters, RNG), one key each."""
-        return self.registry.state_dict()
+        state = self.registry.state_dict()
+        state["memory_plan"] = {"techniques": list(self.memory_plan.techniques)}  # what resume must plan alike
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         state = in_current_layout(state)
         resume_check.check_loadable(self, state)  # everything, before anything is restored
+        saved_plan = state.get("memory_plan")
+        if saved_plan is not None and saved_plan["techniques"] != self.memory_plan.techniques:
+            raise ValueError(f"checkpoint: saved by a run with memory techniques {saved_plan['techniques']}, this "
+                             f"trainer planned {self.memory_plan.techniques}; set optimizer_state_bits, "
+                             f"step_in_backward and weight_dtype to the saved run's to resume it")
         self.registry.load_state_dict(state)
         checkpoint.restore_rng(rng_of_rank(state, self.ranks))
 

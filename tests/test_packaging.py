@@ -18,7 +18,7 @@ def test_optional_features_are_extras_not_dependencies():
     assert "matplotlib" not in core and "nvidia-ml-py" not in core and "tensorboard" not in core
     assert extras["plot"] == ["matplotlib>=3.7"] and extras["nvml"][0].startswith("nvidia-ml-py")
     assert extras["tensorboard"][0].startswith("tensorboard")
-    assert "hybrid-trainer[test,bench,tensorboard]" in extras["dev"]
+    assert extras["dev"] == ["hybrid-trainer[test,bench,tensorboard,capacity]"]
     assert "torch>=2.6" in PYPROJECT["project"]["dependencies"]  # torch.nn.utils.get_total_norm
 
 

@@ -48,7 +48,7 @@ def test_status_table_rows_carry_a_figure_and_a_command_or_say_not_measured():
     assert len(rows) >= 5
     for row in rows:
         what, figure, command = [cell.strip() for cell in row.strip("|").split(" | ")]
-        assert (re.search(r"\d\.\d\d×", figure) and command.startswith("`python -m ")) or \
+        assert (re.search(r"\d\.\d\d", figure) and command.startswith("`python -m ")) or \
             (figure == readme_tables.NOT_MEASURED and command == "–"), row
 
 
