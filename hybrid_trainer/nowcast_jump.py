@@ -259,3 +259,23 @@ class NowcastJump:
     @property
     def nowcaster_seconds(self) -> float:
         return sum(r.seconds for r in self.records)
+
+
+def make_nowcast(config, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any | None,
+                 ranks) -> NowcastJump | None:
+    """The trainer's nowcast-jump controller when ``config.predictor == "nowcast"``, else None.
+
+    ``model`` may be DDP-wrapped (``ranks``, the trainer's :class:`~hybrid_trainer.distributed.RankSync`,
+    says whether it is): nowcast jumps are refused there. Horizons follow :data:`NINO_SCHEDULE`, capped
+    at ``config.nowcast_max_horizon``."""
+    if config.predictor != "nowcast":
+        return None
+    from .distributed import unwrap
+
+    if ranks.active:
+        raise ValueError("predictor: 'nowcast' is not supported under DistributedDataParallel yet")
+    return NowcastJump(unwrap(model), optimizer, caster=nc.load_nowcaster(config.nowcast_weights),
+                       spacing=config.nowcast_spacing, call_every=config.nowcast_call_every,
+                       recovery_steps=config.nowcast_recovery_steps, trend_steps=config.nowcast_trend_steps,
+                       moments=config.nowcast_moments, margin=config.nowcast_margin, scheduler=scheduler,
+                       schedule=tuple(min(k, config.nowcast_max_horizon) for k in NINO_SCHEDULE))

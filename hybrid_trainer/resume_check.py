@@ -29,7 +29,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["SHAPED_FIELDS", "check_config", "check_model", "check_outside_model", "check_optimizer",
+from .anchor import buffer_slots
+from .distributed import unwrap
+from .state_registry import check_trains_what_was_saved, without_ddp_prefix
+
+__all__ = ["check_loadable", "SHAPED_FIELDS", "check_config", "check_model", "check_outside_model", "check_optimizer",
            "check_snapshot", "check_predictor", "check_like", "check_keys", "check_loads_into_a_copy",
            "non_finite_names"]
 
@@ -251,3 +255,49 @@ def check_loads_into_a_copy(component: Any, saved: Any, what: str, method: str =
         getattr(probe, method)(saved)
     except Exception as error:  # any refusal of the component's own loader, reported as the checkpoint's
         raise ValueError(f"checkpoint: {what!r} does not load: {type(error).__name__}: {error}") from error
+
+
+def check_loadable(trainer, state: dict[str, Any]) -> None:
+    """Raise ``ValueError`` naming what in ``state`` (an upgraded, current-version checkpoint) does not
+    fit ``trainer`` (a :class:`~hybrid_trainer.HybridTrainer`), before its ``load_state_dict``
+    restores anything: a load that failed halfway left weights and optimizer state from the file and
+    the rest from the run it replaced. The small components load into copies first; the large ones
+    (model, optimizer, predictor, snapshots) are compared by structure and shape."""
+    missing = [key for key in trainer.registry.keys() if key not in state]
+    if missing:
+        raise ValueError(f"checkpoint: no state for {missing}")
+    check_config(state["config"], trainer.config)
+    module = unwrap(trainer.model)
+    check_model(without_ddp_prefix(state["model"], module), module)
+    check_trains_what_was_saved(state, trainer.params)  # the predictor and snapshots: one slot per trained tensor
+    check_outside_model(state["outside_model"], trainer.trained.outside_model)
+    names = {id(p): repr(n) for n, p in module.named_parameters()}
+    check_optimizer(state["optimizer"], trainer.optimizer, state["optimizer_class"], names)
+    check_predictor(state["predictor"], trainer.predictor.numel, trainer.predictor.scales.shape)
+    buffers = [owner._buffers[name] for owner, name in buffer_slots(module)]
+    check_snapshot(state["anchor"], "anchor", trainer.params, buffers, finite=False)
+    check_snapshot(state["good_state"], "good_state", trainer.params, buffers, finite=True)
+    if trainer.weight_average is not None and state["weight_average"] is not None:
+        check_like(state["weight_average"], trainer.weight_average.state_dict(), "weight_average")
+    if trainer.scheduler is not None and state["scheduler"] is not None \
+            and set(state["scheduler"]) != set(trainer.scheduler.state_dict()):
+        raise ValueError(f"checkpoint: 'scheduler' is not the state of a {type(trainer.scheduler).__name__}")
+    small = [("history", trainer.history, "load_state_dict"), ("normalizer", trainer.normalizer, "load_state_dict"),
+             ("dynamics", trainer.dynamics, "load_full_state_dict"), ("monitor", trainer.monitor, "load_state_dict"),
+             ("controller", trainer.controller, "load_state_dict"), ("loss_trend", trainer.loss_trend, "load_state_dict"),
+             ("stats", trainer.stats, "load_state_dict")]
+    if trainer.scaler is not None and state["scaler"] is not None:
+        small.append(("scaler", trainer.scaler, "load_state_dict"))
+    if trainer.cost is not None and state["cost"] is not None:
+        small.append(("cost", trainer.cost, "load_state_dict"))
+    for key, component, method in small:
+        if component is not None and state[key] is not None:  # as the registry: skipped when either has none
+            check_loads_into_a_copy(component, state[key], key, method)
+    # These hold references to the large parts (a copy would copy them): their keys only.
+    for key, live in (("worth", trainer.worth.state_dict()), ("predict_phase", trainer.predict_phase.state_dict()),
+                      ("trainer", {"step_count": 0, "last_update_cosine": 0.0})):
+        check_keys(state[key], live, key)
+    rngs = state.get("rng_by_rank") or [state["rng"]]
+    if not all(isinstance(r, dict) and isinstance(r.get("torch"), torch.Tensor) and r["torch"].dtype == torch.uint8
+               for r in rngs):
+        raise ValueError("checkpoint: 'rng' is not a random-stream state from capture_rng()")

@@ -50,7 +50,7 @@ class RunStatistics:
     predict_phases_rejected: int = 0
     divergence_rollbacks: int = 0
     skipped_steps: int = 0
-    trained_set_changes: int = 0  # freezing / unfreezing followed (see _follow_trainable_change)
+    trained_set_changes: int = 0  # freezing / unfreezing followed (see trained_set.follow_trainable_change)
     stall_restores: int = 0  # good state restored because the guard could not make progress (StepGuard)
     emergency_checkpoint_failures: int = 0  # emergency checkpoints whose write raised (warned; the step completed)
 

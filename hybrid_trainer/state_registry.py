@@ -9,7 +9,7 @@ Getters, not objects: components rebuilt when the trained set changes (predictor
 are looked up at save and load time.
 
 :func:`trainer_registry` lists the trainer's components. Also here: the layout upgrade of older
-checkpoints (:func:`upgrade_v1`), the key fix of a DDP-wrapped model's weights and which random
+checkpoints (:func:`in_current_layout`), the key fix of a DDP-wrapped model's weights and which random
 streams a rank resumes with.
 """
 from __future__ import annotations
@@ -93,6 +93,20 @@ def without_ddp_prefix(weights: dict[str, Any], module: torch.nn.Module) -> dict
             not any(k.startswith(prefix) for k in module.state_dict()):
         return {k[len(prefix):]: v for k, v in weights.items()}
     return weights
+
+
+def in_current_layout(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` (a checkpoint of any version that still loads) in the current layout, entries added
+    since it was written filled with what they meant then; ``ValueError`` for a version that does not
+    load. ``state`` itself is not changed."""
+    if state.get("version") == 1:
+        state = upgrade_v1(state)
+    if "nowcast" not in state:  # saved before nowcast jumps existed: none was in flight
+        state = dict(state, nowcast=None)
+    if state.get("version") != CHECKPOINT_VERSION:
+        raise ValueError(f"checkpoint version {state.get('version')!r} is not {CHECKPOINT_VERSION} "
+                         f"(nor 1, which still loads)")
+    return {"optimizer_class": None, **state}  # written before the class was saved: not compared
 
 
 def upgrade_v1(state: dict[str, Any]) -> dict[str, Any]:

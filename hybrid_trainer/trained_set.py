@@ -2,12 +2,20 @@
 
 The trainer guards, snapshots and predicts exactly the tensors that train. Freezing or
 unfreezing (``requires_grad_()``, ``add_param_group``) changes that set between steps;
-:meth:`TrainedSet.changed` notices it cheaply at the start of each step, and the trainer then
-rebuilds everything kept per trained tensor.
+:meth:`TrainedSet.changed` notices it cheaply at the start of each step, and
+:func:`follow_trainable_change` then rebuilds everything the trainer keeps per trained tensor
+(:func:`retarget_trainer`).
 """
 from __future__ import annotations
 
 import torch
+
+from .anchor import buffer_slots
+from .averaging import WeightAverage
+from .distributed import unwrap
+from .offload import StateOffloader
+from .phases import Phase
+from .setup_checks import check_predictable
 
 
 def trained_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer
@@ -55,3 +63,49 @@ class TrainedSet:
         return (self._group_sizes() != self.group_sizes
                 or any(p.requires_grad for p in self.untracked)
                 or not all(p.requires_grad for p in self.params))
+
+
+# The trainer's side of a change of the trained set: everything it keeps per trained tensor. Kept
+# here, beside what notices the change, so the trainer's loop only calls it.
+def retarget_trainer(trainer, params: list[torch.Tensor], outside: list[torch.Tensor]) -> None:
+    """(Re)build everything ``trainer`` (a :class:`~hybrid_trainer.HybridTrainer`) keeps per trained
+    tensor: the prediction buffers, the good state, the weight average (carried over, see
+    :meth:`WeightAverage.retarget`) and the offloader's extra tensors."""
+    cfg = trainer.config
+    trainer.trained.track(params, outside)
+    buffers = buffer_slots(unwrap(trainer.model))  # e.g. batch-norm statistics: forwards change them too
+    trainer.predict_phase.retarget(params, buffers)
+    trainer.guard.retarget(params, buffers, unwrap(trainer.model))
+    if cfg.weight_average:
+        trainer.weight_average = (WeightAverage(params) if trainer.weight_average is None
+                                  else trainer.weight_average.retarget(params))
+    # The int8 update history ("linear" direction) is not read while predicting either.
+    trainer.offloader = (StateOffloader(trainer.optimizer, extra=trainer.predictor.history_tensors)
+                         if cfg.offload_while_predicting else None)
+
+
+def follow_trainable_change(trainer) -> None:
+    """Follow a change of which tensors train (``requires_grad_()``, ``add_param_group``:
+    gradual unfreezing, or freezing), before it reaches any weight: the NaN guard, both
+    snapshots and predicted steps must cover exactly what trains, or an unfrozen layer would
+    take a NaN update unchecked and keep its update through a rollback, and a frozen one would
+    go on moving with predicted steps. The update history restarts (a FULL phase follows);
+    the weight average carries over."""
+    if trainer.ranks.active:
+        raise ValueError("optimizer: the tensors that train changed under DistributedDataParallel, which "
+                         "fixes the parameters whose gradients it averages when it is constructed; wrap "
+                         "the model again after freezing or unfreezing, and construct a new HybridTrainer")
+    params, outside = trainer.trained.current()
+    if not params:
+        raise ValueError("optimizer: no tensor trains any more (every parameter frozen)")
+    check_predictable(trainer.config, trainer.model, params)
+    before, old_phase, undone = trainer.params, trainer.controller.phase, 0
+    if old_phase is Phase.PREDICT:
+        undone = trainer.predict_phase.abort()  # predicted for the old set: only verified steps stay
+        trainer.stats.predicted_steps_rolled_back += undone
+    trainer._state_home()
+    retarget_trainer(trainer, params, outside)
+    trainer.worth.forget()  # measured along the old direction
+    trainer.controller.force_full()
+    trainer.stats.trained_set_changes += 1
+    trainer.events.trained_set_changed(trainer.step_count, before, params, undone, old_phase, trainer.controller)

@@ -26,18 +26,16 @@ real updates; predicted steps do not advance it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any, Callable
 
 import torch
 
-from . import checkpoint, grad_checkpoint, resume_check
-from .anchor import buffer_slots
-from .averaging import WeightAverage
+from . import checkpoint, checkpointing, grad_checkpoint, resume_check, trained_set
 from .config import HybridConfig
 from .distributed import RankSync, unwrap
 from .events import Events
@@ -46,14 +44,12 @@ from .loss_call import checked_loss, micro_batches
 from .memory import MemoryProfiler, VRAMGuard, default_reader
 from .memory_plan import memory_in_use, refine_plan, setup_memory
 from .metrics import MetricsLogger, plot_run
-from .offload import StateOffloader
 from .phases import Phase, PhaseController
 from .predict_phase import PredictPhase
 from .run_report import RunStatistics, StepResult, format_summary, run_statistics
 from .setup_checks import (check_arguments, check_ddp_trains_only_its_module, check_dense, check_predictable,
                            check_scheduler, check_train_mode)
-from .state_registry import (CHECKPOINT_VERSION, check_trains_what_was_saved, rng_of_rank, trainer_registry, upgrade_v1,
-                             without_ddp_prefix)
+from .state_registry import in_current_layout, rng_of_rank, trainer_registry
 from .step_guard import StepGuard
 from .trained_set import TrainedSet
 from .verifier import LossTrend
@@ -129,7 +125,7 @@ class HybridTrainer:
         self.predict_phase = PredictPhase(config, self.controller, self.stats, self.loss_trend, self.forecaster,
                                           self._verification_loss)
         self.weight_average = None
-        self._track(self.params, self.trained.outside_model)
+        trained_set.retarget_trainer(self, self.params, self.trained.outside_model)
         # Per-step records go to the JSONL file only: kept in memory they would grow with the run.
         # Under DDP the records agree on every rank (losses are averaged), so rank 0 writes them.
         self.metrics = (MetricsLogger(config.metrics_path, keep_records=False)
@@ -145,14 +141,17 @@ class HybridTrainer:
         self.profiler = (MemoryProfiler(reader, self.device, spike_threshold=config.memory_spike_threshold,
                                         every=config.memory_every) if config.memory_profile else None)
         self.vram_guard = (VRAMGuard(config.vram_warning, config.vram_critical, reader,
-                                     on_critical=self._emergency_checkpoint)
+                                     on_critical=functools.partial(checkpointing.emergency_checkpoint, self))
                            if config.vram_critical is not None else None)
         self.grad_checkpointing = grad_checkpoint.from_config(unwrap(model), config)
 
         self.step_count = 0
         self._last_update_cosine = float("nan")
         self._emergency_error: str | None = None  # the write error of this step's emergency checkpoint
-        self.nowcast = self._make_nowcast(config)
+        self.nowcast = None
+        if config.predictor == "nowcast":  # the nowcaster's modules load only for runs that use it
+            from .nowcast_jump import make_nowcast
+            self.nowcast = make_nowcast(config, model, optimizer, scheduler, self.ranks)
         self.registry = trainer_registry(self)
         # memory plan: the prediction again from what the built trainer holds now
         refine_plan(self.memory_plan, memory_in_use(self.device), self._predictor_bytes())
@@ -185,7 +184,7 @@ class HybridTrainer:
         check_train_mode(self.optimizer)
         disabled_before = self.controller.disabled_reason
         if self.trained.changed():
-            self._follow_trainable_change()
+            trained_set.follow_trainable_change(self)
         phase = self.controller.phase
         try:
             if phase is Phase.PREDICT:
@@ -235,48 +234,6 @@ class HybridTrainer:
     def _confidence(self, horizon: int) -> float:
         return self.forecaster.confidence(horizon, self.predictor)
 
-    def _track(self, params: list[torch.Tensor], outside: list[torch.Tensor]) -> None:
-        """(Re)build everything kept per trained tensor: the prediction buffers, the good state,
-        the weight average (carried over, see :meth:`WeightAverage.retarget`) and the
-        offloader's extra tensors."""
-        cfg = self.config
-        self.trained.track(params, outside)
-        buffers = buffer_slots(unwrap(self.model))  # e.g. batch-norm statistics: forwards change them too
-        self.predict_phase.retarget(params, buffers)
-        self.guard.retarget(params, buffers, unwrap(self.model))
-        if cfg.weight_average:
-            self.weight_average = (WeightAverage(params) if self.weight_average is None
-                                   else self.weight_average.retarget(params))
-        # The int8 update history ("linear" direction) is not read while predicting either.
-        self.offloader = (StateOffloader(self.optimizer, extra=self.predictor.history_tensors)
-                          if cfg.offload_while_predicting else None)
-
-    def _follow_trainable_change(self) -> None:
-        """Follow a change of which tensors train (``requires_grad_()``, ``add_param_group``:
-        gradual unfreezing, or freezing), before it reaches any weight: the NaN guard, both
-        snapshots and predicted steps must cover exactly what trains, or an unfrozen layer would
-        take a NaN update unchecked and keep its update through a rollback, and a frozen one would
-        go on moving with predicted steps. The update history restarts (a FULL phase follows);
-        the weight average carries over."""
-        if self.ranks.active:
-            raise ValueError("optimizer: the tensors that train changed under DistributedDataParallel, which "
-                             "fixes the parameters whose gradients it averages when it is constructed; wrap "
-                             "the model again after freezing or unfreezing, and construct a new HybridTrainer")
-        params, outside = self.trained.current()
-        if not params:
-            raise ValueError("optimizer: no tensor trains any more (every parameter frozen)")
-        check_predictable(self.config, self.model, params)
-        before, old_phase, undone = self.params, self.controller.phase, 0
-        if old_phase is Phase.PREDICT:
-            undone = self.predict_phase.abort()  # predicted for the old set: only verified steps stay
-            self.stats.predicted_steps_rolled_back += undone
-        self._state_home()
-        self._track(params, outside)
-        self.worth.forget()  # measured along the old direction
-        self.controller.force_full()
-        self.stats.trained_set_changes += 1
-        self.events.trained_set_changed(self.step_count, before, params, undone, old_phase, self.controller)
-
     # ------------------------------------------------------------------- memory helpers ----
     def _state_home(self) -> None:
         """Optimizer state must be on its device before anything steps or saves it."""
@@ -284,34 +241,6 @@ class HybridTrainer:
             if self.offloader.offloaded:
                 self.offloader.prefetch()
             self.offloader.wait()
-
-    def _emergency_checkpoint(self, sample) -> None:
-        """The VRAM guard's critical callback, run after the step's update and bookkeeping.
-
-        A failing write (disk full, a bad path) is warned about, counted
-        (``emergency_checkpoint_failures``) and recorded in the step's result, not raised: raised
-        here it escaped ``step()`` after the update and ``step_count`` were applied, so a caller
-        that retried trained the batch twice and the step's metrics line was lost; and a memory
-        emergency is no reason to stop a run that still trains."""
-        path = self.config.emergency_checkpoint_path
-        if path is None:
-            return
-        try:
-            if self.ranks.active:
-                # Memory pressure is one rank's own: nothing collective may run here, so each rank
-                # that hits it writes its own file (the weights are the same on every rank).
-                path = f"{path}.rank{self.ranks.rank}"
-                self._state_home()
-                checkpoint.atomic_save(self.state_dict(), path)
-            else:
-                self._write_checkpoint(path)
-        except Exception as error:  # the write's own failure; interrupts (KeyboardInterrupt) still propagate
-            self.stats.emergency_checkpoint_failures += 1
-            self._emergency_error = f"{type(error).__name__}: {error}"
-            warnings.warn(f"emergency checkpoint to {path!r} failed ({self._emergency_error}); the step completed "
-                          f"and training goes on without it", RuntimeWarning, stacklevel=4)
-            return
-        self.events.saved(path, self.step_count, wrote=True, emergency=True)  # its hooks run at the step's end
 
     def _micro_batches(self, batch: Any) -> Sequence[Any]:
         return micro_batches(batch, self.config.grad_accumulation)
@@ -433,21 +362,6 @@ class HybridTrainer:
                           divergence=report.severity.name, grad_norm=grad_norm, lr=lr, lrs=lrs,
                           rolled_back=rolled_back)
 
-    def _make_nowcast(self, config: HybridConfig):
-        """The nowcast-jump controller when ``config.predictor == "nowcast"``, else None."""
-        if config.predictor != "nowcast":
-            return None
-        from .nowcast_jump import NINO_SCHEDULE, NowcastJump
-        from .nowcaster import load_nowcaster
-
-        if self.ranks.active:
-            raise ValueError("predictor: 'nowcast' is not supported under DistributedDataParallel yet")
-        return NowcastJump(unwrap(self.model), self.optimizer, caster=load_nowcaster(config.nowcast_weights),
-                           spacing=config.nowcast_spacing, call_every=config.nowcast_call_every,
-                           recovery_steps=config.nowcast_recovery_steps, trend_steps=config.nowcast_trend_steps,
-                           moments=config.nowcast_moments, margin=config.nowcast_margin, scheduler=self.scheduler,
-                           schedule=tuple(min(k, config.nowcast_max_horizon) for k in NINO_SCHEDULE))
-
     def _verification_loss(self, batch: Any) -> tuple[float, int]:
         """Mean loss of ``batch`` without gradients, averaged over ranks (the verdict must be the
         same on every rank), and the forward passes it took."""
@@ -501,15 +415,8 @@ class HybridTrainer:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("version") == 1:
-            state = upgrade_v1(state)
-        if "nowcast" not in state:  # saved before nowcast jumps existed: none was in flight
-            state = dict(state, nowcast=None)
-        if state.get("version") != CHECKPOINT_VERSION:
-            raise ValueError(f"checkpoint version {state.get('version')!r} is not {CHECKPOINT_VERSION} "
-                             f"(nor 1, which still loads)")
-        state = {"optimizer_class": None, **state}  # written before the class was saved: not compared
-        self._check_loadable(state)  # everything, before anything is restored
+        state = in_current_layout(state)
+        resume_check.check_loadable(self, state)  # everything, before anything is restored
         saved_plan = state.get("memory_plan")
         if saved_plan is not None and saved_plan["techniques"] != self.memory_plan.techniques:
             raise ValueError(f"checkpoint: saved by a run with memory techniques {saved_plan['techniques']}, this "
@@ -517,52 +424,6 @@ class HybridTrainer:
                              f"step_in_backward and weight_dtype to the saved run's to resume it")
         self.registry.load_state_dict(state)
         checkpoint.restore_rng(rng_of_rank(state, self.ranks))
-
-    def _check_loadable(self, state: dict[str, Any]) -> None:
-        """Raise ``ValueError`` naming what in ``state`` does not fit this trainer, before
-        :meth:`load_state_dict` restores anything (:mod:`hybrid_trainer.resume_check`): a load
-        that failed halfway left weights and optimizer state from the file and the rest from the
-        run it replaced. The small components load into copies first; the large ones (model,
-        optimizer, predictor, snapshots) are compared by structure and shape."""
-        check = resume_check
-        missing = [key for key in self.registry.keys() if key not in state]
-        if missing:
-            raise ValueError(f"checkpoint: no state for {missing}")
-        check.check_config(state["config"], self.config)
-        module = unwrap(self.model)
-        check.check_model(without_ddp_prefix(state["model"], module), module)
-        check_trains_what_was_saved(state, self.params)  # the predictor and snapshots: one slot per trained tensor
-        check.check_outside_model(state["outside_model"], self.trained.outside_model)
-        names = {id(p): repr(n) for n, p in module.named_parameters()}
-        check.check_optimizer(state["optimizer"], self.optimizer, state["optimizer_class"], names)
-        check.check_predictor(state["predictor"], self.predictor.numel, self.predictor.scales.shape)
-        buffers = [owner._buffers[name] for owner, name in buffer_slots(module)]
-        check.check_snapshot(state["anchor"], "anchor", self.params, buffers, finite=False)
-        check.check_snapshot(state["good_state"], "good_state", self.params, buffers, finite=True)
-        if self.weight_average is not None and state["weight_average"] is not None:
-            check.check_like(state["weight_average"], self.weight_average.state_dict(), "weight_average")
-        if self.scheduler is not None and state["scheduler"] is not None \
-                and set(state["scheduler"]) != set(self.scheduler.state_dict()):
-            raise ValueError(f"checkpoint: 'scheduler' is not the state of a {type(self.scheduler).__name__}")
-        small = [("history", self.history, "load_state_dict"), ("normalizer", self.normalizer, "load_state_dict"),
-                 ("dynamics", self.dynamics, "load_full_state_dict"), ("monitor", self.monitor, "load_state_dict"),
-                 ("controller", self.controller, "load_state_dict"), ("loss_trend", self.loss_trend, "load_state_dict"),
-                 ("stats", self.stats, "load_state_dict")]
-        if self.scaler is not None and state["scaler"] is not None:
-            small.append(("scaler", self.scaler, "load_state_dict"))
-        if self.cost is not None and state["cost"] is not None:
-            small.append(("cost", self.cost, "load_state_dict"))
-        for key, component, method in small:
-            if component is not None and state[key] is not None:  # as the registry: skipped when either has none
-                check.check_loads_into_a_copy(component, state[key], key, method)
-        # These hold references to the large parts (a copy would copy them): their keys only.
-        for key, live in (("worth", self.worth.state_dict()), ("predict_phase", self.predict_phase.state_dict()),
-                          ("trainer", {"step_count": 0, "last_update_cosine": 0.0})):
-            check.check_keys(state[key], live, key)
-        rngs = state.get("rng_by_rank") or [state["rng"]]
-        if not all(isinstance(r, dict) and isinstance(r.get("torch"), torch.Tensor) and r["torch"].dtype == torch.uint8
-                   for r in rngs):
-            raise ValueError("checkpoint: 'rng' is not a random-stream state from capture_rng()")
 
     def save(self, path) -> None:
         """Write the full state atomically (temporary file, fsync, rename).
@@ -573,24 +434,11 @@ class HybridTrainer:
         Refuses (``ValueError`` naming them) to write weights, buffers or optimizer state holding
         NaN or Inf: ``load`` would refuse the file, and a NaN from outside the guard's view (a
         batch-norm statistic, between good-state snapshots) must not outlive the run in it. So
-        does the emergency checkpoint (warned about, see :meth:`_emergency_checkpoint`)."""
-        self._write_checkpoint(path)
+        does the emergency checkpoint (warned about, see
+        :func:`~hybrid_trainer.checkpointing.emergency_checkpoint`)."""
+        checkpointing.write_checkpoint(self, path)
         self.events.saved(path, self.step_count, wrote=self.ranks.is_writer)
         self.events.dispatch(self, after=f"trainer.save({str(path)!r}) had completed")
-
-    def _write_checkpoint(self, path) -> None:
-        self._state_home()
-        bad = self.guard.non_finite_state()  # the same on every rank (DDP keeps them equal): all raise
-        if bad:
-            raise ValueError(f"save: refusing to write a checkpoint holding NaN or Inf in {', '.join(bad[:8])}"
-                             f"{' and more' if len(bad) > 8 else ''} (load would refuse it); the guard restores "
-                             f"the last good state at its next snapshot or refusal")
-        state = self.state_dict()
-        if self.ranks.active:
-            state["rng_by_rank"] = self.ranks.gather(state["rng"])
-        if self.ranks.is_writer:
-            checkpoint.atomic_save(state, path)
-        self.ranks.barrier()
 
     def load(self, path) -> None:
         # Onto the CPU, not this trainer's device: the random streams (torch's, the dynamics

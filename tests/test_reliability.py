@@ -250,8 +250,9 @@ def test_a_failed_emergency_checkpoint_warns_and_the_step_completes(stream, tmp_
     trainer = make_trainer(model_fn=mlp, predict=False, memory_profile=True, vram_warning=1.0e3,
                            vram_critical=2.0e3, emergency_checkpoint_path=str(blocker / "emergency.pt"),
                            metrics_path=str(metrics))
-    with pytest.warns(RuntimeWarning, match="emergency checkpoint"):
+    with pytest.warns(RuntimeWarning, match="emergency checkpoint") as caught:
         result = trainer.step(stream[0])
+    assert [w.filename for w in caught] == [__file__]  # attributed to the line that called step()
     assert result.emergency_checkpoint_error is not None and "not_a_directory" in result.emergency_checkpoint_error
     assert trainer.step_count == 1 and trainer.stats.optimizer_steps == 1
     assert trainer.statistics()["emergency_checkpoint_failures"] == 1
