@@ -2,7 +2,6 @@
 tensors, and the checks of the guard's invariant (everything finite; a faulty step leaves a state the run
 had already reached)."""
 import hashlib
-import math
 
 import torch
 
@@ -50,25 +49,6 @@ def fingerprint(trainer) -> str:
     for t in list(trainer.model.parameters()) + list(trainer.model.buffers()):
         digest.update(t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
-
-
-def assert_same_state(got, want, path="state"):
-    """Recursive equality of two state dicts: tensors bit for bit, NaN equal to NaN."""
-    assert type(got) is type(want), f"{path}: {type(got).__name__} vs {type(want).__name__}"
-    if isinstance(want, dict):
-        assert got.keys() == want.keys(), path
-        for key in want:
-            assert_same_state(got[key], want[key], f"{path}[{key!r}]")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), path
-        for i, (g, w) in enumerate(zip(got, want)):
-            assert_same_state(g, w, f"{path}[{i}]")
-    elif isinstance(want, torch.Tensor):
-        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=path)
-    elif isinstance(want, float) and math.isnan(want):
-        assert math.isnan(got), path
-    else:
-        assert got == want, path
 
 
 def cloned(state):

@@ -14,7 +14,8 @@ from hybrid_trainer import HybridConfig, HybridTrainer
 
 from _configs import ALWAYS, FAST
 from _digits import batches, cross_entropy, digits_tensors, mlp
-from _faults import assert_same_state, cloned, make_trainer, non_finite
+from _faults import cloned, make_trainer, non_finite
+from _resume import assert_same_state
 
 
 @pytest.fixture(autouse=True)

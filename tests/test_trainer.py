@@ -17,6 +17,7 @@ from hybrid_trainer.anchor import buffer_slots
 from _configs import ALWAYS, FAST
 from _digits import batches, cross_entropy, digits_tensors, mlp
 from _images import assert_plot
+from _resume import assert_same_state
 
 
 
@@ -209,25 +210,6 @@ def test_nan_gradient_never_reaches_the_weights(stream):
         assert torch.equal(p.detach(), b)
     result = trainer.step(stream[5])
     assert not result.skipped and all(torch.isfinite(p).all() for p in trainer.params)
-
-
-def assert_same_state(got, want, path="state"):
-    """Recursive equality of two state dicts: tensors bit for bit, NaN equal to NaN."""
-    assert type(got) is type(want), f"{path}: {type(got).__name__} vs {type(want).__name__}"
-    if isinstance(want, dict):
-        assert got.keys() == want.keys(), path
-        for key in want:
-            assert_same_state(got[key], want[key], f"{path}[{key!r}]")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), path
-        for i, (g, w) in enumerate(zip(got, want)):
-            assert_same_state(g, w, f"{path}[{i}]")
-    elif isinstance(want, torch.Tensor):
-        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=path)
-    elif isinstance(want, float) and math.isnan(want):
-        assert math.isnan(got), path
-    else:
-        assert got == want, path
 
 
 def test_resume_reproduces_the_uninterrupted_run_bit_exactly(stream, tmp_path):
