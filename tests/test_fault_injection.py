@@ -27,7 +27,8 @@ from _digits import batches, cross_entropy, digits_tensors
 from _faults import fingerprint, make_trainer, non_finite
 
 # The guard warns each time it restores the good state for a fault it cannot mend: expected here.
-pytestmark = pytest.mark.filterwarnings("ignore:.*restored the last good state:RuntimeWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore:.*restored the last good state:RuntimeWarning"),
+              pytest.mark.usefixtures("eager_backend")]  # the CPU path, not the Triton interpreter
 
 # Faults of the trainer's inputs: checked after the very step they enter.
 INPUT_FAULTS = ("input_nan", "input_inf", "loss_nan", "loss_inf", "loss_spike", "grad_nan", "grad_inf",
@@ -36,11 +37,6 @@ INPUT_FAULTS = ("input_nan", "input_inf", "loss_nan", "loss_inf", "loss_spike", 
 STATE_FAULTS = ("weight_nan", "weight_inf", "buffer_nan")
 GOOD_STATE_EVERY = 5
 CONFIG = dict(**ALWAYS, good_state_every=GOOD_STATE_EVERY, divergence={"min_history": 5})
-
-
-@pytest.fixture(autouse=True)
-def eager_kernels(monkeypatch):
-    monkeypatch.setenv("HYBRID_KERNELS_BACKEND", "eager")
 
 
 @pytest.fixture(scope="module")

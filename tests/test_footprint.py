@@ -16,9 +16,7 @@ from _digits import batches, cross_entropy, digits_tensors
 WIDTHS = (128, 512)
 
 
-@pytest.fixture(autouse=True)
-def eager_kernels(monkeypatch):
-    monkeypatch.setenv("HYBRID_KERNELS_BACKEND", "eager")
+pytestmark = pytest.mark.usefixtures("eager_backend")  # the CPU path, not the Triton interpreter
 
 
 @pytest.fixture(scope="module")

@@ -18,9 +18,7 @@ from _faults import cloned, make_trainer, non_finite
 from _resume import assert_same_state
 
 
-@pytest.fixture(autouse=True)
-def eager_kernels(monkeypatch):
-    monkeypatch.setenv("HYBRID_KERNELS_BACKEND", "eager")
+pytestmark = pytest.mark.usefixtures("eager_backend")  # the CPU path, not the Triton interpreter
 
 
 @pytest.fixture(scope="module")
