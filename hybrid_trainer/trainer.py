@@ -288,11 +288,12 @@ class HybridTrainer:
         lr = lrs[0]
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        norm = guard.grad_norm()
         partly_applied = False
-        if self.in_backward is not None:  # memory plan: the hooks measured the norm and updated
+        if self.in_backward is not None:  # memory plan: the hooks measured the norm and updated (no grads left)
             in_backward_norm, partly_applied = self.in_backward.finish()
             norm = torch.tensor(in_backward_norm)
+        else:
+            norm = guard.grad_norm()
         # The guard's read waits for the device; with a skip on the device it can wait while the
         # optimizer step runs (see StepGuard.steps_on_device) instead of before it is launched.
         overlapped = guard.steps_on_device(record)
