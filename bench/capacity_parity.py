@@ -1,0 +1,239 @@
+"""Loss parity of the memory techniques: the final validation loss of each configuration of
+``bench.capacity`` against fp32 AdamW, on the char-LM and Fashion-MNIST tasks.
+
+    python -m bench.capacity_parity                      # both tasks, every arm, 3 seeds (≈ 20 min, 1 core)
+    python -m bench.capacity_parity --tasks fashion --arms "fp32 AdamW" "4-bit state"
+
+Each run is what a user writes: the task's model (``bench.tasks``, initialised from the seed),
+the optimizer built by ``bench.capacity.make_optimizer`` and ``HybridTrainer(model, optimizer,
+loss_fn, HybridConfig(predict=False, good_state_every=0, **knobs))``, stepped ``--steps-*``
+times on the task's seed-determined batch stream; every arm of a seed sees the same
+initialisation and the same batches. Constant learning rate (char-LM 2e-3, Fashion-MNIST 1e-3).
+The validation loss is the task's (a fixed held-out set), under bf16 autocast where the weights
+are bf16.
+
+Reported per configuration: bytes of training state per parameter (the planner's count for the
+task's model and, where ``docs/results/capacity.json`` has it, the slope measured by
+``bench.capacity --part sweep``), the final validation loss (mean ± standard deviation over
+seeds), its gap against fp32 AdamW (the ratio of the means − 1, and the per-seed paired gap),
+and the median step time against fp32 AdamW's. When no configuration at ≤ 3 bytes/param is
+within 1% of fp32 the report lists the frontier (the configurations no other beats on both
+bytes/param and gap). Results in ``docs/results/capacity_parity.{json,md}``, rewritten after
+every arm so an interrupted run keeps what it measured.
+
+All arms run in one process on one thread; timings come from a shared 2-core machine (noisy).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.capacity import ARMS, ROOT, make_optimizer
+from bench.protocol import run_metadata
+
+PARITY_LR = {"charlm": 2e-3, "fashion": 1e-3}
+DEFAULT_STEPS = {"charlm": 300, "fashion": 300}
+BASELINE = "fp32 AdamW"
+GAP_GOAL_PCT = 1.0
+BYTES_GOAL = 3.0
+THIRD_PARTY = [arm for arm, (kind, _) in ARMS.items() if kind != "adamw"]
+
+
+def run_arm(task, arm: str, seed: int, steps: int, lr: float) -> dict[str, Any]:
+    """One training run of ``arm`` on ``task`` for ``steps`` steps: final validation loss,
+    median step time (the first 5 steps, which include compilation, left out) and the plan."""
+    from hybrid_trainer import HybridConfig, HybridTrainer
+
+    kind, knobs = ARMS[arm]
+    model = task.make_model(seed)
+    optimizer = make_optimizer(kind, model, lr=lr)
+    trainer = HybridTrainer(model, optimizer, task.loss_fn,
+                            HybridConfig(predict=False, good_state_every=0, cost_aware=False, **knobs))
+    batches = task.batches(seed)
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        trainer.step(next(batches))
+        times.append(time.perf_counter() - started)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=trainer._plan_autocast is not None):
+        val = task.val_loss(model)
+    return {"val_loss": val, "step_ms": 1e3 * statistics.median(times[5:] or times),
+            "plan_bytes_per_param": trainer.memory_plan.bytes_per_param, "optimizer": type(trainer.optimizer).__name__}
+
+
+def summarize(task_result: dict[str, Any]) -> None:
+    """Adds mean, spread, gap against fp32 AdamW and step-time factor to every arm in place."""
+    base = task_result["arms"].get(BASELINE)
+    for entry in task_result["arms"].values():
+        if not entry.get("val_loss"):
+            continue
+        vals = entry["val_loss"]
+        entry["val_mean"] = statistics.mean(vals)
+        entry["val_std"] = statistics.stdev(vals) if len(vals) > 1 else 0.0
+        entry["step_ms_median"] = statistics.median(entry["step_ms"])
+        if base and base.get("val_loss"):
+            # against fp32 over the same seeds (an arm may run fewer seeds than the baseline)
+            entry["gap_pct"] = 100 * (entry["val_mean"] / statistics.mean(base["val_loss"][:len(vals)]) - 1)
+            paired = [100 * (v / b - 1) for v, b in zip(vals, base["val_loss"])]
+            entry["paired_gap_pct"] = paired
+            entry["paired_gap_std_pct"] = statistics.stdev(paired) if len(paired) > 1 else 0.0
+            entry["step_time_factor"] = entry["step_ms_median"] / statistics.median(base["step_ms"])
+
+
+def bytes_per_param(arm: str, entry: dict[str, Any], sweep_fits: dict[str, Any]) -> float:
+    """The figure the frontier uses: the measured sweep slope where there is one (it includes
+    what the plan's table cannot know, e.g. GaLore's low-rank state), else the plan's count."""
+    fit = sweep_fits.get(arm)
+    return fit["bytes_per_param"] if fit else entry["plan_bytes_per_param"]
+
+
+def frontier(task_result: dict[str, Any], sweep_fits: dict[str, Any], key: str = "plan") -> list[str]:
+    """Arms no other arm beats on both bytes/param and gap (ties kept), fewest bytes first.
+    ``key``: "plan" (the planner's training-state count) or "measured" (the sweep's slope)."""
+    points = {}
+    for arm, e in task_result["arms"].items():
+        if "gap_pct" not in e:
+            continue
+        points[arm] = (e["plan_bytes_per_param"] if key == "plan" else bytes_per_param(arm, e, sweep_fits), e["gap_pct"])
+    keep = [a for a, (b, g) in points.items()
+            if not any(b2 <= b and g2 <= g and (b2, g2) != (b, g) for a2, (b2, g2) in points.items() if a2 != a)]
+    return sorted(keep, key=lambda a: points[a][0])
+
+
+def goal_met(task_result: dict[str, Any]) -> list[str]:
+    """Arms at ≤ 3 bytes/param (plan) within 1% of fp32 AdamW."""
+    return [a for a, e in task_result["arms"].items()
+            if "gap_pct" in e and e["plan_bytes_per_param"] <= BYTES_GOAL and e["gap_pct"] <= GAP_GOAL_PCT]
+
+
+def markdown(result: dict[str, Any]) -> str:
+    fits = result.get("sweep_fits", {})
+    lines = ["# Loss parity of the memory techniques against fp32 AdamW", "",
+             f"`{result['command']}` at commit `{(result.get('git_commit') or 'unknown')[:10]}`"
+             f"{' (dirty tree)' if result.get('git_dirty') else ''}, {result['date']}, {result['machine']}. "
+             "Every arm of a seed starts from the same initialisation and sees the same batches; constant "
+             "learning rate; final validation loss on the task's held-out set. Step times on a shared "
+             "2-core machine: noisy.", "",
+             "bytes/param: the planner's count of training state for the task's model (weights + gradients "
+             "+ optimizer state; third-party optimizers from its table by class name, which does not know "
+             "GaLore's or APOLLO's low-rank state) and the slope of peak memory measured by `python -m "
+             "bench.capacity --part sweep` (Llama-shaped models; activations and fixed costs included).", ""]
+    for task_name, tr in result["tasks"].items():
+        run = tr.get("run", {})
+        lines += [f"## {task_name} ({tr['steps']} steps, lr {tr['lr']}, seeds {tr['seeds']})", "",
+                  f"`{run.get('command', result['command'])}` at commit `{(run.get('git_commit') or 'unknown')[:10]}`, "
+                  f"{run.get('date', result['date'])}. {tr.get('details', '')}", "",
+                  "| configuration | bytes/param (plan) | bytes/param (sweep slope) | val loss (mean ± std) | "
+                  "per seed | gap vs fp32 | paired gap (± std) | step ms | × fp32 |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for arm, e in tr["arms"].items():
+            if "error" in e and not e.get("val_loss"):
+                lines.append(f"| {arm} | | | {e['error'][:150]} | | | | | |")
+                continue
+            fit = fits.get(arm)
+            paired = e.get("paired_gap_pct")
+            lines.append(
+                f"| {arm} | {e['plan_bytes_per_param']:.2f} | {fit['bytes_per_param']:.2f} | " if fit else
+                f"| {arm} | {e['plan_bytes_per_param']:.2f} | – | ")
+            lines[-1] += (f"{e['val_mean']:.4f} ± {e['val_std']:.4f} | {', '.join(f'{v:.4f}' for v in e['val_loss'])} | "
+                          f"{e.get('gap_pct', float('nan')):+.2f}% | "
+                          + (f"{statistics.mean(paired):+.2f}% ± {e['paired_gap_std_pct']:.2f} | " if paired else "– | ")
+                          + f"{e['step_ms_median']:.1f} | {e.get('step_time_factor', float('nan')):.2f} |")
+        met = goal_met(tr)
+        lines.append("")
+        if met:
+            lines.append(f"Goal (≤ {BYTES_GOAL:g} bytes/param of training state in the plan, ≤ {GAP_GOAL_PCT:g}% gap) "
+                         f"met by: {', '.join(met)}.")
+        else:
+            lines.append(f"Goal (≤ {BYTES_GOAL:g} bytes/param of training state in the plan, ≤ {GAP_GOAL_PCT:g}% gap) "
+                         "not met by any configuration.")
+        for key, label in (("plan", "planner's bytes/param"), ("measured", "sweep's measured slope where there is one")):
+            front = frontier(tr, fits, key)
+            pts = [f"{a} ({tr['arms'][a]['plan_bytes_per_param'] if key == 'plan' else bytes_per_param(a, tr['arms'][a], fits):.2f} "
+                   f"B/param, {tr['arms'][a]['gap_pct']:+.2f}%)" for a in front]
+            lines.append(f"\nFrontier by the {label} (fewest bytes first): {'; '.join(pts)}.")
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .tasks import get_task
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tasks", nargs="*", default=["charlm", "fashion"])
+    parser.add_argument("--arms", nargs="*", default=None, help="configurations (default: every arm of bench.capacity)")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--third-party-seeds", type=int, default=None,
+                        help="seeds for the third-party optimizers (default: --seeds)")
+    parser.add_argument("--steps-charlm", type=int, default=DEFAULT_STEPS["charlm"])
+    parser.add_argument("--steps-fashion", type=int, default=DEFAULT_STEPS["fashion"])
+    parser.add_argument("--out", default=str(ROOT / "docs" / "results"))
+    parser.add_argument("--reports-only", action="store_true", help="rewrite capacity_parity.md from its JSON")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    path = out / "capacity_parity.json"
+    if args.reports_only:
+        (out / "capacity_parity.md").write_text(markdown(json.loads(path.read_text())))
+        return 0
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["HYBRID_KERNELS_BACKEND"] = "eager"
+    torch.set_num_threads(1)
+    arms = args.arms or list(ARMS)
+    unknown = sorted(set(arms) - set(ARMS))
+    if unknown:
+        parser.error(f"--arms: unknown {unknown}; choose from {list(ARMS)}")
+    if BASELINE in arms:  # the baseline first, so every later arm's gap is known as soon as it ends
+        arms = [BASELINE] + [a for a in arms if a != BASELINE]
+    steps = {"charlm": args.steps_charlm, "fashion": args.steps_fashion}
+    sweep_path = out / "capacity.json"
+    sweep_fits = json.loads(sweep_path.read_text()).get("sweep", {}).get("fits", {}) if sweep_path.exists() else {}
+    previous = json.loads(path.read_text()) if path.exists() else {}
+    result = run_metadata("python -m bench.capacity_parity " + " ".join(argv if argv is not None else sys.argv[1:]),
+                          machine=f"{os.cpu_count()} CPU cores, torch {torch.__version__}, 1 thread",
+                          tasks={}, sweep_fits={a: {"bytes_per_param": f["bytes_per_param"]} for a, f in sweep_fits.items()})
+    # tasks not run now keep their stored results (each task records the run that measured it)
+    result["tasks"] = {k: v for k, v in previous.get("tasks", {}).items() if k not in args.tasks}
+    out.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        path.write_text(json.dumps(result, indent=1))
+        (out / "capacity_parity.md").write_text(markdown(result))
+
+    for task_name in args.tasks:
+        task = get_task(task_name)
+        tr = result["tasks"][task_name] = {"steps": steps[task_name], "lr": PARITY_LR[task_name],
+                                           "seeds": list(range(args.seeds)), "arms": {},
+                                           "details": f"{task.data_source}; {task.details}",
+                                           "run": {k: result[k] for k in ("command", "date", "git_commit", "git_dirty")}}
+        for arm in arms:
+            n_seeds = args.third_party_seeds if arm in THIRD_PARTY and args.third_party_seeds else args.seeds
+            entry = tr["arms"][arm] = {"val_loss": [], "step_ms": []}
+            for seed in range(n_seeds):
+                try:
+                    run = run_arm(task, arm, seed, steps[task_name], PARITY_LR[task_name])
+                except Exception as error:  # noqa: BLE001 - reported per arm
+                    entry["error"] = f"{type(error).__name__}: {error}"[:300]
+                    print(f"parity {task_name} {arm}: {entry['error']}", flush=True)
+                    break
+                entry["val_loss"].append(run["val_loss"])
+                entry["step_ms"].append(run["step_ms"])
+                entry["plan_bytes_per_param"] = run["plan_bytes_per_param"]
+                entry["optimizer"] = run["optimizer"]
+                print(f"parity {task_name} {arm:28s} seed {seed}: val {run['val_loss']:.4f}, "
+                      f"{run['step_ms']:.1f} ms/step", flush=True)
+            summarize(tr)
+            save()
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
