@@ -395,16 +395,18 @@ SPEED_OPTIMIZERS = {
     "LowBitAdamW 8-bit compiled": lambda p: _lowbit(p, 8, True),
     "LowBitAdamW 4-bit eager": lambda p: _lowbit(p, 4, False),
     "LowBitAdamW 4-bit compiled": lambda p: _lowbit(p, 4, True),
+    "LowBitAdamW 4-bit eager, block 256": lambda p: _lowbit(p, 4, False, 256),
+    "LowBitAdamW 4-bit eager, block 512": lambda p: _lowbit(p, 4, False, 512),
     "torchao AdamW8bit": lambda p: __import__("torchao.optim", fromlist=["x"]).AdamW8bit(p, lr=1e-3, weight_decay=0.01),
     "torchao AdamW4bit": lambda p: __import__("torchao.optim", fromlist=["x"]).AdamW4bit(p, lr=1e-3, weight_decay=0.01),
     "bitsandbytes AdamW8bit": lambda p: __import__("bitsandbytes").optim.AdamW8bit(p, lr=1e-3, weight_decay=0.01),
 }
 
 
-def _lowbit(params, bits, compiled):
+def _lowbit(params, bits, compiled, block_size=None):
     from hybrid_trainer.lowbit_adamw import LowBitAdamW
 
-    return LowBitAdamW(params, lr=1e-3, weight_decay=0.01, state_bits=bits, compiled=compiled)
+    return LowBitAdamW(params, lr=1e-3, weight_decay=0.01, state_bits=bits, compiled=compiled, block_size=block_size)
 
 
 def optimizer_speed(numel: int = 4 * 2 ** 20, fidelity_numel: int = 1 << 17, fidelity_steps: int = 50) -> dict:
