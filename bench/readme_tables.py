@@ -111,29 +111,57 @@ def _overhead_rows() -> list[tuple[str, str, str]]:
 
 
 def _capacity_rows() -> list[tuple[str, str, str]]:
-    """Training state per parameter and the largest model trained here (``bench.capacity``)."""
+    """Training state per parameter, loss parity at the fewest bytes and the largest model trained
+    here (``bench.capacity``, ``bench.capacity_parity``)."""
     if not (RESULTS / "capacity.json").exists() or not (RESULTS / "capacity_big.json").exists():
         return []
     sweep, big = _load("capacity.json"), _load("capacity_big.json")
-    fits = sweep["sweep"]["fits"]
+    smallest = "in-backward + 4-bit + bf16"
+    rows = []
+    eager = sweep.get("eager_sweep", {}).get("fits", {})
+    if "fp32 AdamW" in eager and smallest in eager:
+        fp32, low = eager["fp32 AdamW"], eager[smallest]
+        sizes = "/".join(sweep["eager_sweep"]["shapes"])
+        rows.append((f"Training state per parameter (slope of peak memory over {sizes} GPTs)",
+                     f"fp32 AdamW {fp32['bytes_per_param']:.2f} bytes/param; the stack's smallest (step in the backward + "
+                     f"4-bit moments + bf16 weights) {low['bytes_per_param']:.2f} for the whole peak, "
+                     f"{low['state_bytes_per_param']:.2f} without the activations (plan: "
+                     f"{low['plan_bytes_per_param']:.2f} of training state), step time {low['step_time_factor']:.2f}× fp32",
+                     "`python -m bench.capacity --part eager-sweep`"))  # the file's own command is its last part's
+    else:
+        fits = sweep["sweep"]["fits"]
+        rows.append(("Training state per parameter (slope of peak memory over 3 GPT sizes)",
+                     f"fp32 AdamW {fits['fp32 AdamW']['bytes_per_param']:.2f} bytes/param; the stack's smallest "
+                     f"{fits[smallest]['bytes_per_param']:.2f}", "`python -m bench.capacity --part sweep`"))
+    if (RESULTS / "capacity_parity.json").exists():
+        parity = _load("capacity_parity.json")
+        gaps = []
+        for task, label in TASKS.items():
+            arm = parity["tasks"].get(task, {}).get("arms", {}).get(smallest, {})
+            if "gap_pct" in arm:
+                gaps.append((label, arm))
+        if gaps:
+            plan_bytes = gaps[0][1]["plan_bytes_per_param"]
+            worst = max(arm["gap_pct"] for _, arm in gaps)
+            verdict = ("within" if worst <= 1.0 else "not within") + " 1%"
+            rows.append((f"Loss parity of the smallest configuration ({plan_bytes:.2f} bytes/param of training state) "
+                         "against fp32 AdamW",
+                         "final validation loss " + " / ".join(
+                             f"{arm['gap_pct']:+.2f}% ({label}, {len(arm['val_loss'])} seeds)" for label, arm in gaps)
+                         + f": {verdict} (goal ≤ 3 bytes/param with ≤ 1% gap)",
+                         " and ".join(dict.fromkeys(f"`{t.get('run', {}).get('command', parity['command'])}`"
+                                                    for t in parity["tasks"].values()))))
     largest = max((row for row in big["big"] if "peak_rss" in row), key=lambda row: row["parameters"])
     losses = largest["losses"]
     head, tail = losses[:5], losses[-5:]
-    return [
-        ("Training state per parameter (slope of peak memory over 3 GPT sizes)",
-         f"fp32 AdamW {fits['fp32 AdamW']['bytes_per_param']:.1f} bytes/param; the stack's smallest (step in the "
-         f"backward + 4-bit moments + bf16 weights) {fits['in-backward + 4-bit + bf16']['bytes_per_param']:.1f} "
-         f"measured, {fits['in-backward + 4-bit + bf16']['plan_bytes_per_param']:.2f} of training state in its plan, "
-         f"step time {fits['in-backward + 4-bit + bf16']['step_time_factor']:.2f}× fp32 (goal ≤ 3 bytes/param with "
-         f"≤ 1% loss gap: loss parity not yet in a result file)",
-         "`python -m bench.capacity --part sweep`"),  # the file's own command is its last part's
+    rows.append(
         ("Largest model trained on this 24 GiB, 2-core machine (the planner choosing)",
          f"**{largest['parameters'] / 1e9:.2f}B** parameters (Llama-shaped), {len(losses)} steps on the King James text, "
          f"peak {largest['peak_rss'] / 2 ** 30:.2f} GiB (planned {largest['predicted_peak'] / 2 ** 30:.2f}), "
          f"{largest['peak_rss'] / largest['parameters']:.2f} bytes/param for the whole process, loss "
          f"{sum(head) / len(head):.2f} → {sum(tail) / len(tail):.2f} (mean of first / last 5 steps)",
-         f"`{big['command']}`"),
-    ]
+         f"`{big['command']}`"))
+    return rows
 
 
 NOWCAST_ARMS = (("cosine+nc:judged:cap16", "as the trainer runs it (judged, capped)"),
