@@ -147,7 +147,9 @@ def markdown(result: dict[str, Any]) -> str:
              "bytes/param: the planner's count of training state for the task's model (weights + gradients "
              "+ optimizer state; third-party optimizers from its table by class name, which does not know "
              "GaLore's or APOLLO's low-rank state) and the slope of peak memory measured by `python -m "
-             "bench.capacity --part sweep` (Llama-shaped models; activations and fixed costs included).", ""]
+             "bench.capacity --part sweep` (Llama-shaped models of 3.2M-31.7M parameters; activations and fixed "
+             "costs included; the low-bit update compiled at the largest size only, whose resident runtime "
+             "enters that slope: `--part eager-sweep` in capacity.md re-measures it at 25M-354M).", ""]
     for task_name, tr in result["tasks"].items():
         run = tr.get("run", {})
         lines += [f"## {task_name} ({tr['steps']} steps, peak lr {tr['lr']}, {tr.get('schedule', 'constant')}, "
@@ -178,6 +180,13 @@ def markdown(result: dict[str, Any]) -> str:
         else:
             lines.append(f"Goal (≤ {BYTES_GOAL:g} bytes/param of training state in the plan, ≤ {GAP_GOAL_PCT:g}% gap) "
                          "not met by any configuration.")
+        within = [a for a, e in tr["arms"].items() if e.get("gap_pct", math.inf) <= GAP_GOAL_PCT]
+        if within:
+            best = min(within, key=lambda a: tr["arms"][a]["plan_bytes_per_param"])
+            e = tr["arms"][best]
+            lines.append(f"Fewest bytes/param within {GAP_GOAL_PCT:g}% of fp32: {best}, {e['plan_bytes_per_param']:.2f} "
+                         f"bytes/param, gap {e['gap_pct']:+.2f}% (paired over seeds "
+                         f"{statistics.mean(e['paired_gap_pct']):+.2f}% ± {e['paired_gap_std_pct']:.2f}).")
         for key, label in (("plan", "planner's bytes/param"), ("measured", "sweep's measured slope where there is one")):
             front = frontier(tr, fits, key)
             pts = [f"{a} ({tr['arms'][a]['plan_bytes_per_param'] if key == 'plan' else bytes_per_param(a, tr['arms'][a], fits):.2f} "
