@@ -312,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
                                       for a, f in eager_fits.items()})
     # tasks not run now keep their stored results (each task records the run that measured it)
     result["tasks"] = {k: v for k, v in previous.get("tasks", {}).items() if k not in args.tasks}
+    for kept in result["tasks"].values():
+        summarize(kept)  # a task stored before a summary field existed gets it
     out.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:
