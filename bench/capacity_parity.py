@@ -247,9 +247,13 @@ def markdown(result: dict[str, Any]) -> str:
                          f"bytes/param, gap {e['gap_pct']:+.2f}% (paired over {len(e['val_loss'])} seeds "
                          f"{e['paired_gap_mean_pct']:+.2f}% ± {e['paired_gap_std_pct']:.2f}"
                          + (f", 95% interval ±{ci:.2f}: {e['noise_verdict']}" if ci is not None else "") + ").")
-        for key, label in (("plan", "planner's bytes/param"), ("measured", "sweep's measured slope where there is one")):
-            front = frontier(tr, fits, key)
-            pts = [f"{a} ({tr['arms'][a]['plan_bytes_per_param'] if key == 'plan' else bytes_per_param(a, tr['arms'][a], fits):.2f} "
+        # the measured figure: the GPT eager sweep's whole-peak slope where it measured the
+        # configuration (sizes where fixed costs weigh less), else the small sweep's
+        measured = {**fits, **{a: {"bytes_per_param": f["bytes_per_param"]} for a, f in eager.items()}}
+        for key, label in (("plan", "planner's bytes/param"),
+                           ("measured", "measured slope (GPT eager sweep where it ran, else the small sweep)")):
+            front = frontier(tr, measured, key)
+            pts = [f"{a} ({tr['arms'][a]['plan_bytes_per_param'] if key == 'plan' else bytes_per_param(a, tr['arms'][a], measured):.2f} "
                    f"B/param, {tr['arms'][a]['gap_pct']:+.2f}%)" for a in front]
             lines.append(f"\nFrontier by the {label} (fewest bytes first): {'; '.join(pts)}.")
         lines.append("")
