@@ -221,3 +221,9 @@ def test_prediction_on_keeps_the_per_step_guard():
 def test_read_every_is_checked(value):
     with pytest.raises(ValueError, match="read_every"):
         HybridConfig(read_every=value).validate()
+
+
+def test_by_default_a_cpu_reads_every_step():
+    _, trainer = _make(None)
+    assert trainer.guard.deferred is None
+    assert not any(isinstance(trainer.step(b), PendingStepResult) for b in _batches(5))
