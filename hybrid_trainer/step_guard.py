@@ -125,7 +125,8 @@ class StepGuard:
         # ops would only add work to every step (a CPU's sub-millisecond MLP steps notice it).
         self.overlap = not reads_are_free(device)
         # Checks read once every read_every steps while prediction is off (deferred_checks).
-        self.deferred = DeferredChecks(config.read_every) if config.read_every > 1 else None
+        every = config.read_every if config.read_every is not None else (1 if reads_are_free(device) else 16)
+        self.deferred = DeferredChecks(every) if every > 1 else None
 
     def retarget(self, params: list[torch.Tensor], buffers: list[tuple[torch.nn.Module, str]],
                  module: torch.nn.Module | None = None) -> None:
