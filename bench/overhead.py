@@ -13,10 +13,14 @@ the same initial weights, the same batches in the same order and the same seed.
   load falls on all of them alike. On CUDA a chunk is timed as a whole between two
   synchronisations (each of its steps gets the chunk's mean), so the trainer's own waits on the
   device are in its time. Per arm the median over chunks (``--chunk`` steps, 16 by default) of
-  the chunk's mean step time, after ``--warmup`` untimed steps: what happens once every N
+  the chunk's mean step time, after ``--warmup`` untimed steps (and an arm that is not a
+  trainer: the plain loop plus the gradient norm and its read, the least a per-step NaN guard
+  costs): what happens once every N
   steps (a good-state snapshot, the guard's read of a block with ``read_every``) is in every
   chunk's mean, where a median over single steps would leave it out; the per-step median is
-  recorded beside it. For the trainer also the median over its real steps only (the default
+  recorded beside it. On a CPU a step's time is the thread's CPU time (``time.thread_time``):
+  with one thread per process that is all of the step's work, without the time other processes
+  held the core. For the trainer also the median over its real steps only (the default
   config's predicted steps skip the backward, which is a saving, not an overhead). The fixed
   cost is the difference of the chunk medians in µs, the ratio their quotient. Larger models
   (the ≥50M one) are timed inside their memory subprocess, one arm after another.
@@ -40,6 +44,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import platform
 import re
@@ -65,6 +70,10 @@ ARMS: dict[str, dict[str, Any] | None] = {
     # The guard reads a block of 16 steps at once (what a GPU gets by default; a CPU reads every step).
     "predict=False, read_every=16": dict(predict=False, read_every=16),
 }
+# Not a trainer: the plain loop plus the least any per-step NaN guard does (the global gradient
+# norm, one pass over the gradients, and a read of it and the loss). The trainer's overhead above
+# this arm's is its own bookkeeping; this arm's above the plain loop is the floor of the guard.
+GUARD_FLOOR = "plain + norm and read (guard floor)"
 IN_PROCESS_PARAMS = 5_000_000  # above this, all arms in one process would hold too much memory at once
 
 
@@ -141,6 +150,17 @@ def _arm_step(arm: str, workload: Workload, device: torch.device, seed: int = 0)
 
     model = workload.make_model(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=workload.lr)
+    if arm == GUARD_FLOOR:
+        params = [p for p in model.parameters() if p.requires_grad]
+
+        def floor(batch) -> None:
+            optimizer.zero_grad(set_to_none=True)
+            loss = workload.loss_fn(model, batch)
+            loss.backward()
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in params])))
+            if math.isfinite(loss.item()) and math.isfinite(norm.item()):
+                optimizer.step()
+        return floor, None, model
     if ARMS[arm] is None:
         def plain(batch) -> None:
             optimizer.zero_grad(set_to_none=True)
@@ -177,7 +197,7 @@ def time_interleaved(workload: Workload, device: torch.device, warmup: int, step
                      progress) -> dict[str, dict[str, Any]]:
     """Per arm: step times in one process, arms interleaved chunk by chunk."""
     arms = {}
-    for arm in ARMS:
+    for arm in [*ARMS, GUARD_FLOOR]:
         step, trainer, _ = _arm_step(arm, workload, device)
         arms[arm] = dict(step=step, trainer=trainer, position=0, times=[], phases=[])
     n = len(workload.batches)
@@ -209,9 +229,11 @@ def time_interleaved(workload: Workload, device: torch.device, warmup: int, step
             for _ in range(chunk):
                 batch = workload.batches[a["position"] % n]
                 phase = _phase(a["trainer"])
-                started = time.perf_counter()
+                # The thread's CPU time: with one thread per process the step's whole work, and
+                # not the time another process held the core (helpers and CI share this machine).
+                started = time.thread_time()
                 a["step"](batch)
-                a["times"].append(time.perf_counter() - started)
+                a["times"].append(time.thread_time() - started)
                 a["phases"].append(phase)
                 a["position"] += 1
         progress.update(1)
@@ -490,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
         if not big:
             with tqdm(total=-(-steps // args.chunk), desc=f"{name}: time", leave=False) as bar:
                 for arm, t in time_interleaved(workload, device, warmup, steps, args.chunk, bar).items():
-                    entry["arms"][arm]["time"] = t
+                    entry["arms"].setdefault(arm, {})["time"] = t
             parts_steps = args.breakdown_steps if args.breakdown_steps is not None else (10 if args.quick else 300)
             if parts_steps:
                 entry["breakdown"] = breakdown(workload, "predict=False", device, warmup, parts_steps)

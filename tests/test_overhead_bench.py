@@ -22,7 +22,9 @@ def test_quick_run_reports_every_arm_with_ratios_from_its_measurements(tmp_path)
     results = json.loads((tmp_path / "overhead_quick.json").read_text())
     assert results["git"]["commit"] and isinstance(results["git"]["dirty"], bool)
     arms = results["models"]["tiny"]["arms"]
-    assert list(arms) == list(overhead.ARMS)
+    assert list(arms) == [*overhead.ARMS, overhead.GUARD_FLOOR]
+    floor = arms[overhead.GUARD_FLOOR]  # timed only: the plain loop plus a norm and its read
+    assert floor["time"]["steps"] == 10 and "memory" not in floor and floor["vs_plain"]["time_ratio"] > 0
     plain = arms["plain"]
     assert plain["time"]["steps"] == 10 and plain["memory"]["training_bytes"] > 0
     for name in list(overhead.ARMS)[1:]:
