@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .phases import Phase
+from .run_report import PendingStepResult
 
 logger = logging.getLogger(__name__)
 
@@ -183,7 +184,7 @@ class Events:
         rollback, prediction switched off, a phase change. Called only when one of them
         happened (the trainer compares a few attributes first)."""
         controller = trainer.controller
-        if result.skipped:
+        if result.skipped and not isinstance(result, PendingStepResult):  # those are reported at their read
             self.step_refused(trainer, result)
         elif result.rolled_back:  # a verification rejected the PREDICT phase
             self.rolled_back(Rollback(step=result.step, kind="rejected_prediction", reason=result.divergence,

@@ -227,3 +227,24 @@ def test_by_default_a_cpu_reads_every_step():
     _, trainer = _make(None)
     assert trainer.guard.deferred is None
     assert not any(isinstance(trainer.step(b), PendingStepResult) for b in _batches(5))
+
+
+def test_a_refused_step_that_ends_its_block_is_reported_once():
+    batches = _batches(20)
+    refused = []
+
+    class Recorder:
+        def on_update_refused(self, trainer, event):
+            refused.append(event.step)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.ReLU(), torch.nn.Linear(24, 3))
+    trainer = HybridTrainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True), _loss,
+                            HybridConfig(predict=False, read_every=4), callbacks=[Recorder()])
+    done = _steps_until_a_read(trainer, batches)
+    last_of_block = done + 3
+    batches[last_of_block] = _with_nan_input(batches[last_of_block])
+    results = [trainer.step(b) for b in batches[done:last_of_block + 1]]
+    assert results[-1].settled and results[-1].skipped
+    assert refused == [last_of_block]
+
