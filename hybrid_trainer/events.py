@@ -184,7 +184,9 @@ class Events:
         rollback, prediction switched off, a phase change. Called only when one of them
         happened (the trainer compares a few attributes first)."""
         controller = trainer.controller
-        if result.skipped and not isinstance(result, PendingStepResult):  # those are reported at their read
+        if isinstance(result, PendingStepResult):
+            pass  # a deferred step's refusal and rollback are reported at its read (trainer._settle)
+        elif result.skipped:
             self.step_refused(trainer, result)
         elif result.rolled_back:  # a verification rejected the PREDICT phase
             self.rolled_back(Rollback(step=result.step, kind="rejected_prediction", reason=result.divergence,

@@ -229,7 +229,7 @@ def test_by_default_a_cpu_reads_every_step():
     assert not any(isinstance(trainer.step(b), PendingStepResult) for b in _batches(5))
 
 
-def test_a_refused_step_that_ends_its_block_is_reported_once():
+def test_a_refused_step_that_ends_its_block_is_reported_once_and_as_what_it_was():
     batches = _batches(20)
     refused = []
 
@@ -237,6 +237,10 @@ def test_a_refused_step_that_ends_its_block_is_reported_once():
         def on_update_refused(self, trainer, event):
             refused.append(event.step)
 
+        def on_rollback(self, trainer, event):
+            rollbacks.append((event.kind, event.step))
+
+    rollbacks = []
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.ReLU(), torch.nn.Linear(24, 3))
     trainer = HybridTrainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True), _loss,
@@ -244,7 +248,10 @@ def test_a_refused_step_that_ends_its_block_is_reported_once():
     done = _steps_until_a_read(trainer, batches)
     last_of_block = done + 3
     batches[last_of_block] = _with_nan_input(batches[last_of_block])
-    results = [trainer.step(b) for b in batches[done:last_of_block + 1]]
-    assert results[-1].settled and results[-1].skipped
-    assert refused == [last_of_block]
+    batches[last_of_block + 4] = (batches[last_of_block + 4][0] * 1e4, batches[last_of_block + 4][1])  # a spike
+    results = [trainer.step(b) for b in batches[done:last_of_block + 5]]
+    assert results[-5].settled and results[-5].skipped
+    assert results[-1].settled and results[-1].rolled_back
+    assert refused == [last_of_block, last_of_block + 4]
+    assert rollbacks == [("divergence", last_of_block + 4)]
 
