@@ -125,10 +125,15 @@ def test_a_spike_goes_back_to_the_good_state_and_discards_the_steps_after_it():
     assert_same_state(trainer.optimizer.state_dict(), again.optimizer.state_dict())
 
 
-def test_a_deferred_step_with_a_fused_optimizer_reads_nothing_back():
+def _right_after_a_read(fused):
+    """A read_every=16 trainer that has just read, its batches, and how many it used."""
     batches = _batches(48)
-    _, trainer = _make(16, fused=True)
-    done = _steps_until_a_read(trainer, batches)
+    _, trainer = _make(16, fused=fused)
+    return trainer, batches, _steps_until_a_read(trainer, batches)
+
+
+def test_a_deferred_step_with_a_fused_optimizer_reads_nothing_back():
+    trainer, batches, done = _right_after_a_read(fused=True)
     counter = HostOps()
     with counter:
         for b in batches[done:done + 15]:  # no read due among them
@@ -142,9 +147,7 @@ def test_a_deferred_step_with_a_fused_optimizer_reads_nothing_back():
 
 
 def test_without_a_device_side_skip_a_step_reads_its_two_values_once():
-    batches = _batches(20)
-    _, trainer = _make(16, fused=False)
-    done = _steps_until_a_read(trainer, batches)
+    trainer, batches, done = _right_after_a_read(fused=False)
     counter = HostOps()
     with counter:
         trainer.step(batches[done])
