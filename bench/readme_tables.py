@@ -136,7 +136,9 @@ def _capacity_rows() -> list[tuple[str, str, str]]:
                      f"fp32 AdamW {fp32['bytes_per_param']:.2f} bytes/param; the stack's smallest (step in the backward + "
                      f"4-bit moments + bf16 weights) {low['bytes_per_param']:.2f} for the whole peak, "
                      f"{low['state_bytes_per_param']:.2f} without the activations (plan: "
-                     f"{low['plan_bytes_per_param']:.2f} of training state), step time {low['step_time_factor']:.2f}× fp32",
+                     f"{low['plan_bytes_per_param']:.2f} of training state); its step {low['step_time_factor']:.2f}× fp32's at the "
+                     "largest size in that sweep, whose allocator setting (every freed buffer returned at once) "
+                     "slows the eager low-bit update",
                      "`python -m bench.capacity --part eager-sweep`"))  # the file's own command is its last part's
     else:
         fits = sweep["sweep"]["fits"]
@@ -168,8 +170,10 @@ def _capacity_rows() -> list[tuple[str, str, str]]:
                          "against fp32 AdamW",
                          "final validation loss " + " / ".join(gap_text(label, arm) for label, arm in gaps)
                          + f": {verdict}; {bytes_verdict}",
-                         " and ".join(dict.fromkeys(f"`{t.get('run', {}).get('command', parity['command'])}`"
-                                                    for t in parity["tasks"].values()))))
+                         # the runs that measured this arm and its fp32 baseline (an arm re-run alone records its own)
+                         " and ".join(dict.fromkeys(
+                             f"`{t['arms'][a].get('run', t.get('run', {})).get('command', parity['command'])}`"
+                             for t in parity["tasks"].values() for a in ("fp32 AdamW", smallest) if a in t["arms"]))))
     largest = max((row for row in big["big"] if "peak_rss" in row), key=lambda row: row["parameters"])
     losses = largest["losses"]
     head, tail = losses[:5], losses[-5:]
