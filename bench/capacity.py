@@ -4,7 +4,7 @@ of each memory technique, the planner's choices, and a ≥ 4B-parameter run (los
 
     python -m bench.capacity                       # speed + sweep + planner (≈ 15 min on 2 cores)
     python -m bench.capacity --part sweep          # one part: speed | sweep | planner | eager-sweep
-    python -m bench.capacity --part eager-sweep    # 25M/125M/350M GPTs, low-bit update eager (≈ 10 min, ≤ 7 GiB)
+    python -m bench.capacity --part eager-sweep    # 25M/125M/350M GPTs, low-bit update eager (≈ 14 min, one process peaks at 5.7 GiB)
     python -m bench.capacity --big                 # the big run (≈ 25 min, ~13 GiB; run under flock /tmp/cpu.lock)
 
 Parts (results in docs/results/capacity.{json,md,png}; the big run in capacity_big.{json,md}):
