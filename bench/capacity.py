@@ -35,6 +35,7 @@ import argparse
 import gc
 import json
 import os
+import shlex
 import re
 import statistics
 import subprocess
@@ -662,7 +663,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["HYBRID_KERNELS_BACKEND"] = "eager"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = run_metadata("python -m bench.capacity " + " ".join(argv if argv is not None else sys.argv[1:]),
+    meta = run_metadata("python -m bench.capacity " + shlex.join(argv if argv is not None else sys.argv[1:]),
                         machine=f"{os.cpu_count()} CPU cores, torch {torch.__version__}, 1 thread")
     meta["commit"] = meta["git_commit"] or "unknown"  # the name the reports read
     if args.big:

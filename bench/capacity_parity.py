@@ -33,6 +33,7 @@ import argparse
 import json
 import math
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -309,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     sweep_fits = stored.get("sweep", {}).get("fits", {})
     eager_fits = stored.get("eager_sweep", {}).get("fits", {})
     previous = json.loads(path.read_text()) if path.exists() else {}
-    result = run_metadata("python -m bench.capacity_parity " + " ".join(argv if argv is not None else sys.argv[1:]),
+    result = run_metadata("python -m bench.capacity_parity " + shlex.join(argv if argv is not None else sys.argv[1:]),
                           machine=f"{os.cpu_count()} CPU cores, torch {torch.__version__}, 1 thread",
                           tasks={}, sweep_fits={a: {"bytes_per_param": f["bytes_per_param"]} for a, f in sweep_fits.items()},
                           eager_fits={a: {k: f[k] for k in ("bytes_per_param", "state_bytes_per_param")}
