@@ -563,8 +563,8 @@ def markdown(result: dict[str, Any]) -> str:
                          f"{fit['step_seconds_largest']:.1f} | {fit['step_time_factor'] or float('nan'):.2f} |")
         lines += ["", "Reading it: a model built in fp32 for bf16 training holds 4 bytes/param until the trainer "
                   "converts it, so its construction peak (and the whole-peak slope) is larger; the planner's "
-                  "activation probe then runs on the fp32 model, so its 'activations' (fp32) exceed what the bf16 "
-                  "steps hold and that row's 'state' column is too small by the difference: compare the steps' "
+                  "activation probe then runs on the fp32 model, so its 'activations' (fp32) exceed the bf16 build's "
+                  "and that row's 'state' column is too small by the difference: compare the steps' "
                   "peak column, which is the same for both builds. Step times ran with glibc returning every freed "
                   "buffer over 64 KiB at once (so the RSS follows the live tensors): the eager low-bit update's "
                   "chunk temporaries each become a fresh mapping, which makes its steps several times slower than "
