@@ -268,6 +268,14 @@ def check_loads_into_a_copy(component: Any, saved: Any, what: str, method: str =
         raise ValueError(f"checkpoint: {what!r} does not load: {type(error).__name__}: {error}") from error
 
 
+def _dynamics_to_check(trainer) -> Any:
+    """The dynamics model a saved one must load into: the run's own, or, before its first use built
+    it, a fresh one (the load builds it then); None for a run that never predicts."""
+    if trainer.dynamics is not None:
+        return trainer.dynamics
+    return trainer.forecaster.new_dynamics() if trainer.forecaster.config.predict else None
+
+
 def check_loadable(trainer, state: dict[str, Any]) -> None:
     """Raise ``ValueError`` naming what in ``state`` (an upgraded, current-version checkpoint) does not
     fit ``trainer`` (a :class:`~hybrid_trainer.HybridTrainer`), before its ``load_state_dict``
@@ -294,7 +302,8 @@ def check_loadable(trainer, state: dict[str, Any]) -> None:
             and set(state["scheduler"]) != set(trainer.scheduler.state_dict()):
         raise ValueError(f"checkpoint: 'scheduler' is not the state of a {type(trainer.scheduler).__name__}")
     small = [("history", trainer.history, "load_state_dict"), ("normalizer", trainer.normalizer, "load_state_dict"),
-             ("dynamics", trainer.dynamics, "load_full_state_dict"), ("monitor", trainer.monitor, "load_state_dict"),
+             ("dynamics", _dynamics_to_check(trainer), "load_full_state_dict"),
+             ("monitor", trainer.monitor, "load_state_dict"),
              ("controller", trainer.controller, "load_state_dict"), ("loss_trend", trainer.loss_trend, "load_state_dict"),
              ("stats", trainer.stats, "load_state_dict")]
     if trainer.scaler is not None and state["scaler"] is not None:

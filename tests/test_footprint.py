@@ -80,3 +80,27 @@ def test_prediction_buffers_exist_only_while_prediction_can_run(stream):
     assert not any(t.predictor.allocated for t in trainers)
     assert all(t.dynamics is None for t in trainers)  # the forecaster's model goes too
     assert _slope(trainers) < 0.05
+
+
+def test_a_default_run_whose_gate_never_opens_never_builds_the_dynamics_model(stream):
+    """The dynamics model (an ensemble of GRUs, its Adam state once trained) only serves a forecast
+    that only prediction reads: built the first time the worth gate passes, never before."""
+    trainer = _trainer(128, min_predicted_worth=10.0)  # no predicted step is worth ten real ones here
+    for batch in stream[:60]:
+        trainer.step(batch)
+        assert not trainer.worth.passes() and trainer.forecaster.dynamics is None
+    assert trainer.predictor.n_updates > 0 or not trainer.controller.prediction_enabled  # it did run past WARMUP
+    assert trainer_tensor_bytes(trainer)["by_holder"].get("forecaster", 0) < 10_000
+    assert trainer.statistics()["dynamics_train_steps"] == 0
+
+
+def test_the_dynamics_model_is_built_when_the_gate_first_passes(stream):
+    trainer = _trainer(128, confidence_threshold=0.0, min_predicted_worth=-1.0, cost_aware=False)
+    for i, batch in enumerate(stream[:40]):
+        trainer.step(batch)
+        if trainer.forecaster.dynamics is not None:
+            break
+    else:
+        raise AssertionError("the gate never let the forecaster run")
+    assert trainer.worth.passes() and trainer.controller.phase.value != "WARMUP"
+    assert trainer.forecaster.dynamics.count == 1  # built for the step that first needed it
