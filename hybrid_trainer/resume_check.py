@@ -31,6 +31,7 @@ import torch
 
 from .anchor import buffer_slots
 from .distributed import unwrap
+from .int8_direction import BLOCK
 from .state_registry import check_trains_what_was_saved, without_ddp_prefix
 
 __all__ = ["check_loadable", "SHAPED_FIELDS", "check_config", "check_model", "check_outside_model", "check_optimizer",
@@ -211,9 +212,10 @@ def check_snapshot(saved: dict[str, Any], what: str, params: list[torch.Tensor],
         _require_finite(named, f"the {what}")
 
 
-def check_predictor(saved: dict[str, Any], numel: int, scales_shape: torch.Size) -> None:
-    """The predictor's flat buffers (``numel`` values; absent while nothing was recorded), per-tensor
-    scales and update history fit this trainer's trained tensors."""
+def check_predictor(saved: dict[str, Any], numel: int, scales_shape: torch.Size, blocks: int | None = None) -> None:
+    """The predictor's flat buffers (``numel`` values; absent while nothing was recorded; an int8
+    direction with its ``blocks`` block scales), per-tensor scales and update history fit this
+    trainer's trained tensors."""
     if not isinstance(saved, dict) or not {"ema", "scales", "history"} <= set(saved):
         _fail("'predictor' is not a DeltaPredictor state")
     if not isinstance(saved["scales"], torch.Tensor) or saved["scales"].shape != scales_shape:
@@ -223,6 +225,11 @@ def check_predictor(saved: dict[str, Any], numel: int, scales_shape: torch.Size)
         value = saved.get(key)
         if value is not None and (not isinstance(value, torch.Tensor) or value.numel() != numel):
             _fail(f"predictor {key!r} does not fit the {numel} trained values")
+    if isinstance(saved["ema"], torch.Tensor) and saved["ema"].dtype == torch.int8:  # codes: their block scales too
+        scales = saved.get("ema_scales")
+        if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32 or \
+                (blocks is not None and scales.numel() != blocks):
+            _fail("predictor int8 direction has no block scales that fit the trained tensors")
     history = saved["history"]
     if not isinstance(history, list) or not all(
             isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(t, torch.Tensor) for t in pair)
@@ -292,7 +299,8 @@ def check_loadable(trainer, state: dict[str, Any]) -> None:
     check_outside_model(state["outside_model"], trainer.trained.outside_model)
     names = {id(p): repr(n) for n, p in module.named_parameters()}
     check_optimizer(state["optimizer"], trainer.optimizer, state["optimizer_class"], names)
-    check_predictor(state["predictor"], trainer.predictor.numel, trainer.predictor.scales.shape)
+    check_predictor(state["predictor"], trainer.predictor.numel, trainer.predictor.scales.shape,
+                    blocks=sum(-(-n // BLOCK) for n in trainer.predictor.sizes))
     buffers = [owner._buffers[name] for owner, name in buffer_slots(module)]
     check_snapshot(state["anchor"], "anchor", trainer.params, buffers, finite=False)
     check_snapshot(state["good_state"], "good_state", trainer.params, buffers, finite=True)

@@ -73,7 +73,7 @@ def test_prediction_buffers_exist_only_while_prediction_can_run(stream):
     assert _slope(trainers) < 0.05
     _run(trainers, stream, 20, start=10)  # FULL: real updates are recorded
     assert all(t.predictor.allocated for t in trainers)
-    assert _slope(trainers) >= 0.9  # the direction (and the step's before-copy) do exist now
+    assert 0.25 <= _slope(trainers) < 0.3  # the int8 direction exists now: a byte per 4-byte value, a scale per 256
     for t in trainers:  # prediction off for good, as the controller does after repeated rejections
         t.controller.disabled_reason = "switched off by the test"
     _run(trainers, stream, 1, start=30)
