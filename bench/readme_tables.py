@@ -99,14 +99,20 @@ def _overhead_rows() -> list[tuple[str, str, str]]:
     def vs(arm: str, key: str, fmt: str) -> str:
         return " / ".join(format(a[arm]["vs_plain"][key], fmt) for a in models.values())
 
+    def memory(arm: str) -> str:
+        basis = {"tensors": " T", "rss": " R"}
+        return " / ".join(f"{a[arm]['vs_plain']['memory_ratio']:.2f}×{basis.get(a[arm]['vs_plain'].get('memory_basis'), '')}"
+                          for a in models.values())
+
     cmd = f"`{data['command']}`"
     return [
         (f"The trainer's cost per step next to the plain loop, prediction off ({names})",
          f"+{vs('predict=False', 'overhead_us', '.0f')} µs, i.e. {vs('predict=False', 'time_ratio', '.3f')}× "
          f"(goal: ≤ 50 µs, ≤ 1.02× on steps of 5 ms or more)", cmd),
         (f"Peak training memory next to the plain loop ({names})",
-         f"`predict=False` {vs('predict=False', 'memory_ratio', '.2f')}×; default config "
-         f"{vs('default', 'memory_ratio', '.2f')}× (goals 1.03× and 1.10×)", cmd),
+         f"`predict=False` {memory('predict=False')}; default config {memory('default')} (goals 1.03× and 1.10×; "
+         f"T: exact peak of live tensor bytes, where peak RSS moves more between runs than 3% of the plain "
+         f"loop's; R: peak RSS)", cmd),
     ]
 
 
