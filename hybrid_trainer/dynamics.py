@@ -46,8 +46,8 @@ class DynamicsModel(nn.Module):
         gen = torch.Generator().manual_seed(seed)
         bound = 1.0 / math.sqrt(hidden)
 
-        def uniform(*shape):
-            return nn.Parameter((torch.rand(*shape, generator=gen) * 2 - 1) * bound)
+        def uniform(*shape):  # in place: the same values without two temporaries of each weight's size
+            return nn.Parameter(torch.rand(*shape, generator=gen).mul_(2).sub_(1).mul_(bound))
 
         self.w_ih = uniform(ensemble, 3 * hidden, n_features)
         self.w_hh = uniform(ensemble, 3 * hidden, hidden)
