@@ -38,12 +38,14 @@ class StateForecaster:
         self.device = device
         self.history = hk.StateHistory(device=device)
         self.normalizer = RunningNormalizer(NUM_FEATURES)
-        # Built the first time the worth gate lets the forecaster run (see observe), not here:
-        # only prediction reads the forecast, and a run whose gate never opens (most small
-        # models) would hold an ensemble of GRUs (~3 MB of weights at the default width, ~12 MB
-        # once it trains with its Adam state) for nothing. Until then the model is what a fresh
-        # one would be (no forecast, no errors, no training steps), so building it late changes
-        # no decision: its own seeded generators, not torch's, draw its weights and replay.
+        # Built the first time the worth gate lets the forecaster run (see observe), not here,
+        # and its GRU networks only at its first training step: only prediction reads the
+        # forecast, and a run whose gate never opens, or opens only long enough to time the
+        # forecaster (the small models), would hold an ensemble of GRUs (~3 MB of weights at the
+        # default width, ~12 MB once it trains with its Adam state) for nothing. Until then the
+        # model is what a fresh one would be (no forecast, no errors, no training steps), so
+        # building it late changes no decision: its own seeded generators, not torch's, draw its
+        # weights and replay.
         self.dynamics: DynamicsModel | None = None
         self.forecast: dict[str, torch.Tensor] | None = None
         self._released_report: tuple[dict[int, float], int] = ({}, 0)  # the model's last figures, once freed
