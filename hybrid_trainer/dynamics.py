@@ -53,7 +53,9 @@ class DynamicsModel(nn.Module):
         self.sampler = torch.Generator().manual_seed(seed + 1)
 
         # Replay of real steps: states and losses, in order (a ring).
-        self.states = torch.zeros(capacity, n_features, device=device)
+        # Grown as steps arrive (doubling, up to ``capacity`` rows): a forecaster that runs a few
+        # steps to be timed and is then shut off keeps a few rows, not 512.
+        self.states = torch.zeros(0, n_features, device=device)
         self.losses = torch.zeros(capacity, dtype=torch.float64)
         self.count = 0  # steps observed in total
         self.loss_unit = 1.0  # typical |loss[t+1] - loss[t]|: targets are divided by it
@@ -68,6 +70,10 @@ class DynamicsModel(nn.Module):
     def observe(self, state: torch.Tensor, loss: float) -> None:
         """Record a real step (normalised state [n_features], its loss) and score old forecasts."""
         slot = self.count % self.capacity
+        if slot >= self.states.shape[0]:  # (indices stay below count, so no row beyond is read)
+            grown = self.states.new_zeros(min(self.capacity, max(16, 2 * self.states.shape[0])), self.n_features)
+            grown[:self.states.shape[0]] = self.states
+            self.states = grown
         self.states[slot] = state.to(self.states.device, torch.float32)
         self.losses[slot] = loss
         t = self.count
@@ -234,7 +240,7 @@ class DynamicsModel(nn.Module):
                 delattr(self, name)
             self.optimizer = None
         self.sampler.set_state(state["sampler"])
-        self.states.copy_(state["states"])
+        self.states = state["states"].to(self.states.device, torch.float32, copy=True)  # the rows saved
         self.losses.copy_(state["losses"])
         self.count, self.loss_unit = state["count"], state["loss_unit"]
         self.train_steps, self.last_train_loss = state["train_steps"], state["last_train_loss"]
