@@ -107,7 +107,12 @@ def _overhead_rows() -> list[tuple[str, str, str]]:
         return " / ".join(f"{a[arm]['vs_plain']['memory_ratio']:.2f}×{basis.get(a[arm]['vs_plain'].get('memory_basis'), '')}"
                           for a in models.values())
 
-    cmd = f"`{data['command']}`"
+    def commands(runs) -> str:  # a file merged from several runs: each run's command, in model order
+        return " ".join(f"`{c}`" for c in dict.fromkeys(r["command"] for r in runs))
+
+    entries = [data["models"][m] for m in models]
+    time_cmd = commands(e.get("time_run") or e.get("run") or data for e in entries)
+    cmd = commands(e.get("run") or data for e in entries)
     return [
         (f"The trainer's cost per step next to the plain loop, prediction off ({names})",
          f"+{vs('predict=False', 'overhead_us', '.0f')} µs, i.e. {vs('predict=False', 'time_ratio', '.3f')}× "
@@ -119,7 +124,7 @@ def _overhead_rows() -> list[tuple[str, str, str]]:
          + (f"; the floor of any per-step NaN guard (the plain loop + the gradient norm and its read) "
             f"+{' / '.join(format(a[FLOOR]['vs_plain']['overhead_us'], '.0f') for a in models.values() if FLOOR in a)} µs "
             f"({' / '.join(OVERHEAD_MODELS[m] for m, a in models.items() if FLOOR in a)})"
-            if any(FLOOR in a for a in models.values()) else ""), cmd),
+            if any(FLOOR in a for a in models.values()) else ""), time_cmd),
         (f"Peak training memory next to the plain loop ({names})",
          f"`predict=False` {memory('predict=False')}; default config {memory('default')} (goals 1.03× and 1.10×; "
          f"T: exact peak of live tensor bytes, where peak RSS moves more between runs than 3% of the plain "
