@@ -102,21 +102,33 @@ def _overhead_rows() -> list[tuple[str, str, str]]:
     def vs(arm: str, key: str, fmt: str) -> str:
         return " / ".join(format(a[arm]["vs_plain"][key], fmt) for a in models.values())
 
-    cmd = f"`{data['command']}`"
+    def memory(arm: str) -> str:
+        basis = {"tensors": " T", "rss": " R"}
+        return " / ".join(f"{a[arm]['vs_plain']['memory_ratio']:.2f}×{basis.get(a[arm]['vs_plain'].get('memory_basis'), '')}"
+                          for a in models.values())
+
+    def commands(runs) -> str:  # a file merged from several runs: each run's command, in model order
+        return " ".join(f"`{c}`" for c in dict.fromkeys(r["command"] for r in runs))
+
+    entries = [data["models"][m] for m in models]
+    time_cmd = commands(e.get("time_run") or e.get("run") or data for e in entries)
+    cmd = commands(e.get("run") or data for e in entries)
     return [
         (f"The trainer's cost per step next to the plain loop, prediction off ({names})",
          f"+{vs('predict=False', 'overhead_us', '.0f')} µs, i.e. {vs('predict=False', 'time_ratio', '.3f')}× "
          f"(goal: ≤ 50 µs, ≤ 1.02× on steps of 5 ms or more)"
          + (f"; reading the guard's values every 16 steps (`read_every=16`, a GPU's default) "
             f"+{vs('predict=False, read_every=16', 'overhead_us', '.0f')} µs"
-            if all("predict=False, read_every=16" in a for a in models.values()) else "")
+            if all("overhead_us" in (a.get("predict=False, read_every=16") or {}).get("vs_plain", {})
+                   for a in models.values()) else "")  # timed (a --memory-only run keeps older time figures)
          + (f"; the floor of any per-step NaN guard (the plain loop + the gradient norm and its read) "
             f"+{' / '.join(format(a[FLOOR]['vs_plain']['overhead_us'], '.0f') for a in models.values() if FLOOR in a)} µs "
             f"({' / '.join(OVERHEAD_MODELS[m] for m, a in models.items() if FLOOR in a)})"
-            if any(FLOOR in a for a in models.values()) else ""), cmd),
+            if any(FLOOR in a for a in models.values()) else ""), time_cmd),
         (f"Peak training memory next to the plain loop ({names})",
-         f"`predict=False` {vs('predict=False', 'memory_ratio', '.2f')}×; default config "
-         f"{vs('default', 'memory_ratio', '.2f')}× (goals 1.03× and 1.10×)", cmd),
+         f"`predict=False` {memory('predict=False')}; default config {memory('default')} (goals 1.03× and 1.10×; "
+         f"T: exact peak of live tensor bytes, where peak RSS moves more between runs than 3% of the plain "
+         f"loop's; R: peak RSS)", cmd),
     ]
 
 
