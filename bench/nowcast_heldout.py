@@ -60,8 +60,12 @@ QUICK = {"mlp": dict(arch="mlp", data="mnist5k", hidden=[48], batch=64, nominal_
 class Jumper:
     """Keeps the last ``context + 1`` flat snapshots and applies nowcast jumps to ``params``."""
 
-    def __init__(self, caster: nc.Nowcaster, model: torch.nn.Module, spacing: int):
-        self.caster, self.spacing = caster, spacing
+    def __init__(self, caster: nc.Nowcaster, model: torch.nn.Module, spacing: int,
+                 schedule_free: torch.optim.Optimizer | None = None):
+        # ``schedule_free``: a schedule-free optimizer whose parameters are its gradient point y
+        # (train mode); a jump then moves its z sequence by the same displacement, so y, z and the
+        # averaged point x (y = (1 - b) z + b x) all move together.
+        self.caster, self.spacing, self.schedule_free = caster, spacing, schedule_free
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.layout = nc.describe_model(model)
         self.snaps: list[torch.Tensor] = []
@@ -85,7 +89,10 @@ class Jumper:
         if ok:
             offset = 0
             for p in self.params:
-                p.add_(delta[offset:offset + p.numel()].view_as(p))
+                d = delta[offset:offset + p.numel()].view_as(p)
+                p.add_(d)
+                if self.schedule_free is not None and "z" in self.schedule_free.state.get(p, {}):
+                    self.schedule_free.state[p]["z"].add_(d)
                 offset += p.numel()
         self.snaps = []
         self.seconds += time.perf_counter() - t0
@@ -95,19 +102,111 @@ class Jumper:
         return float(torch.cat([p.detach().reshape(-1) for p in self.params]).norm().clamp_min(1e-12))
 
 
-def run_arm(spec: dict[str, Any], lr: float, cosine: bool, caster: nc.Nowcaster | None, moments: str,
-            steps: int, spacing: int, call_every: int, eval_every: int, cap: int | None = None) -> dict[str, Any]:
+BASES = ("adam", "cosine", "muon", "sf")
+MUON_GRID = (0.01, 0.02, 0.04)  # Muon's own rate scale (bench.e2e.MUON_LRS); AdamW trains the rest at cosine's rate
+SF_FACTORS = (1.0, 2.0, 4.0)  # schedule-free AdamW's rate, x the tuned cosine peak rate
+
+
+def parse_arm(arm: str) -> tuple[str, bool, list[str]]:
+    """``"cosine+nc:reset"`` -> ``("cosine", True, ["reset"])``: the base optimizer, whether the
+    nowcaster jumps, and the options."""
+    head, *options = arm.split(":")
+    base, _, suffix = head.partition("+")
+    if base not in BASES or suffix not in ("", "nc"):
+        raise ValueError(f"arm {arm!r}: expected one of {BASES} with an optional '+nc' and ':' options")
+    return base, suffix == "nc", options
+
+
+def make_arm_optimizer(base: str, model: torch.nn.Module, lr: float, steps: int,
+                       muon_lr: float | None = None) -> tuple[torch.optim.Optimizer, Any]:
+    """The arm's optimizer and its rate multiplier at each step (``factor(step)``, step from 0).
+
+    ``adam``: Adam at a constant ``lr``. ``cosine``: AdamW (weight decay 0.01), 5% linear warm-up
+    then cosine decay to zero. ``muon``: ``torch.optim.Muon`` at ``muon_lr`` over the hidden
+    matrices (:func:`bench.protocol.hidden_matrices`) and AdamW at ``lr`` over the rest, both on the
+    cosine schedule. ``sf``: schedule-free AdamW (``schedulefree.AdamWScheduleFree``, the project's
+    betas :data:`bench.protocol.SCHEDULE_FREE_BETAS`, weight decay 0.01) at a constant ``lr`` with
+    its own warm-up over the same 5% of the steps."""
+    from bench.protocol import SCHEDULE_FREE_BETAS, hidden_matrices
+    from hybrid_trainer.combined_optimizer import CombinedOptimizer
+
+    warm = max(1, int(0.05 * steps))
+
+    def cosine(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (step - warm) / max(1, steps - warm))))
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    if base == "adam":
+        return torch.optim.Adam(params, lr=lr), lambda step: 1.0
+    if base == "cosine":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.01), cosine
+    if base == "muon":
+        hidden = {id(p) for p in hidden_matrices(model) if p.ndim == 2}
+        if not hidden:
+            raise ValueError("muon: the model has no hidden 2-D matrices (torch.optim.Muon takes 2-D weights only)")
+        return CombinedOptimizer(
+            torch.optim.Muon([p for p in params if id(p) in hidden], lr=muon_lr, weight_decay=0.01),
+            torch.optim.AdamW([p for p in params if id(p) not in hidden], lr=lr, weight_decay=0.01)), cosine
+    if base == "sf":
+        import schedulefree
+
+        opt = schedulefree.AdamWScheduleFree(params, lr=lr, warmup_steps=warm, betas=SCHEDULE_FREE_BETAS,
+                                             weight_decay=0.01)
+        opt.train()
+        return opt, lambda step: 1.0
+    raise ValueError(f"base must be one of {BASES}, got {base!r}")
+
+
+def clear_moments(opt: torch.optim.Optimizer) -> None:
+    """Forget the optimizer's per-parameter state (moments, momentum buffers, step counts)."""
+    for part in getattr(opt, "parts", [opt]):
+        part.state.clear()
+
+
+def run_arm(spec: dict[str, Any], lr: float, cosine: bool | str, caster: nc.Nowcaster | None, moments: str,
+            steps: int, spacing: int, call_every: int, eval_every: int, cap: int | None = None,
+            muon_lr: float | None = None) -> dict[str, Any]:
+    """One run of ``steps`` steps. ``cosine``: the base optimizer (``True``/``False`` = ``"cosine"``/
+    ``"adam"``, or a name of :data:`BASES`). ``moments``: ``keep``, ``reset``, ``judged`` (the
+    bench's :class:`NowcastJump`, recovery and trend over a third of ``call_every``) or ``trainer``
+    (the controller ``HybridConfig(predictor="nowcast")`` builds, with its defaults)."""
+    base = cosine if isinstance(cosine, str) else ("cosine" if cosine else "adam")
     horizons = tuple(min(k, cap) for k in SCHEDULE) if cap else SCHEDULE
-    spec = dict(spec, opt="adamw" if cosine else "adam", cosine=cosine, lr=lr, steps=steps)
+    spec = dict(spec, opt="adamw" if base == "cosine" else "adam", cosine=base == "cosine", lr=lr, steps=steps)
     model = fam.make_model(spec)
-    opt, schedule = fam.make_optimizer(spec, model)
-    loss_fn, stream, evaluate = fam.loss_fn(spec), fam.batches(spec), fam.validation(spec)
+    opt, factor = make_arm_optimizer(base, model, lr, steps, muon_lr)
+    base_lrs = [g["lr"] for g in opt.param_groups]
+    loss_fn, stream, plain_evaluate = fam.loss_fn(spec), fam.batches(spec), fam.validation(spec)
+    if base == "sf":
+        from bench.protocol import schedule_free_evaluation
+
+        def evaluate(m):  # at schedule-free's averaged point, as the optimizer requires
+            with schedule_free_evaluation(opt):
+                return plain_evaluate(m)
+    else:
+        evaluate = plain_evaluate
     judged = None
-    if caster is not None and moments == "judged":
-        judged = NowcastJump(model, opt, caster=caster, spacing=spacing, call_every=call_every,
-                             recovery_steps=call_every // 3, trend_steps=call_every // 3, schedule=horizons)
+    if caster is not None and moments in ("judged", "trainer"):
+        if base == "sf":
+            raise ValueError("judged jumps over schedule-free AdamW are not measured: the controller moves "
+                             "the parameters but not the optimizer's z sequence")
+        if moments == "trainer":
+            from types import SimpleNamespace
+
+            from hybrid_trainer.config import HybridConfig
+            from hybrid_trainer.nowcast_jump import make_nowcast
+
+            judged = make_nowcast(HybridConfig(predictor="nowcast"), model, opt, None, SimpleNamespace(active=False))
+            judged.caster = caster
+        else:
+            judged = NowcastJump(model, opt, caster=caster, spacing=spacing, call_every=call_every,
+                                 recovery_steps=call_every // 3, trend_steps=call_every // 3, schedule=horizons)
         caster = None
-    jumper = Jumper(caster, model, spacing) if caster is not None else None
+    if caster is not None and base == "sf" and moments == "reset":
+        raise ValueError("moments='reset' is not measured for schedule-free AdamW (its state holds the z sequence)")
+    jumper = Jumper(caster, model, spacing, opt if base == "sf" else None) if caster is not None else None
     curve, jumps = [], []
     train_s = 0.0
     calls = 0
@@ -119,7 +218,7 @@ def run_arm(spec: dict[str, Any], lr: float, cosine: bool, caster: nc.Nowcaster 
                 t0 = time.perf_counter()
                 rel = jumper.jump(k)
                 if moments == "reset":
-                    opt.state.clear()
+                    clear_moments(opt)
                 train_s += time.perf_counter() - t0
                 calls += 1
                 post = evaluate(model)
@@ -134,8 +233,9 @@ def run_arm(spec: dict[str, Any], lr: float, cosine: bool, caster: nc.Nowcaster 
         if step == steps:
             break
         t0 = time.perf_counter()
-        for group in opt.param_groups:
-            group["lr"] = schedule(step)
+        f = factor(step)
+        for group, base_lr in zip(opt.param_groups, base_lrs):
+            group["lr"] = base_lr * f
         loss = loss_fn(model, next(stream))
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -152,7 +252,7 @@ def run_arm(spec: dict[str, Any], lr: float, cosine: bool, caster: nc.Nowcaster 
         for j, r in zip([j for j in jumps if j["event"] == "jump"], records):
             j.update(horizon=r["horizon"], rel_norm=r["rel_norm"], kept=r["kept"])
     final = curve[-1]
-    return dict(lr=lr, curve=curve, jumps=jumps, final_loss=final["loss"], final_acc=final["acc"],
+    return dict(lr=lr, muon_lr=muon_lr, curve=curve, jumps=jumps, final_loss=final["loss"], final_acc=final["acc"],
                 best_loss=min(c["loss"] for c in curve), train_s=train_s,
                 nowcaster_s=(jumper.nowcaster_seconds if isinstance(jumper, NowcastJump) else jumper.seconds)
                 if jumper is not None else 0.0)
@@ -208,13 +308,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tasks", nargs="*", default=list(HELDOUT))
     parser.add_argument("--seeds", nargs="*", type=int, default=[0, 1, 2])
     parser.add_argument("--tune-seed", type=int, default=99)
-    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--steps", type=int, default=5000)
     parser.add_argument("--spacing", type=int, default=nc.DEFAULT_SPACING)
     parser.add_argument("--call-every", type=int, default=300)
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--arms", nargs="*",
-                        default=["adam", "adam+nc", "cosine", "cosine+nc", "cosine+nc:cap16", "cosine+nc:weight",
-                                 "cosine+nc:reset", "cosine+nc:judged", "cosine+nc:judged:cap16"])
+                        default=["cosine", "cosine+nc:trainer", "cosine+nc:reset", "adam", "adam+nc",
+                                 "muon", "muon+nc:reset", "sf", "sf+nc"],
+                        help="base optimizer (adam, cosine, muon, sf), '+nc' for nowcast jumps, ':' options: "
+                             "reset, judged, trainer, capN, weight")
+    parser.add_argument("--no-muon", nargs="*", default=["cnn"],
+                        help="tasks without Muon arms (torch.optim.Muon takes 2-D matrices only; the CNN's "
+                             "hidden layers are convolutions)")
     parser.add_argument("--nowcaster", default=None, help="neuron-aware weights (default: the shipped ones)")
     parser.add_argument("--weight-nowcaster", default=str(ROOT / "results-tmp" / "nowcaster_weight.pt"))
     parser.add_argument("--quick", action="store_true")
@@ -251,26 +356,50 @@ def main(argv: list[str] | None = None) -> None:
         entry = results["tasks"].setdefault(name, dict(spec=task, tuning={}, seeds={}))
         base = {k: v for k, v in task.items() if k not in ("nominal_lr", "grid")}
         kw = dict(steps=args.steps, spacing=args.spacing, call_every=args.call_every, eval_every=args.eval_every)
+        bases = {parse_arm(a)[0] for a in args.arms}
         if not entry["tuning"]:
             for lr in task["grid"]:
-                r = run_arm(dict(base, seed=args.tune_seed), lr, True, None, "keep", **kw)
+                r = run_arm(dict(base, seed=args.tune_seed), lr, "cosine", None, "keep", **kw)
                 entry["tuning"][str(lr)] = r["final_loss"]
                 print(f"{name} tune cosine lr {lr:g}: final val loss {r['final_loss']:.4f}", flush=True)
         best_lr = float(min(entry["tuning"], key=lambda k: entry["tuning"][k]))
         entry["cosine_lr"] = best_lr
+        # Muon and schedule-free get their rates the same way: the best final validation loss over a
+        # small grid on the tuning seed (Muon's rate for the hidden matrices; AdamW keeps cosine's
+        # rate for the rest; schedule-free's rate as multiples of cosine's peak rate).
+        grids = {"muon": [m for m in MUON_GRID], "sf": [round(best_lr * f, 10) for f in SF_FACTORS]}
+        for opt_name in ("muon", "sf"):
+            if opt_name not in bases or (opt_name == "muon" and name in args.no_muon):
+                continue
+            tuning = entry.setdefault(f"tuning_{opt_name}", {})
+            for value in grids[opt_name]:
+                if str(value) in tuning:
+                    continue
+                if opt_name == "muon":
+                    r = run_arm(dict(base, seed=args.tune_seed), best_lr, "muon", None, "keep", muon_lr=value, **kw)
+                else:
+                    r = run_arm(dict(base, seed=args.tune_seed), value, "sf", None, "keep", **kw)
+                tuning[str(value)] = r["final_loss"]
+                print(f"{name} tune {opt_name} {value:g}: final val loss {r['final_loss']:.4f}", flush=True)
+                json_path.parent.mkdir(parents=True, exist_ok=True)
+                json_path.write_text(json.dumps(results, indent=1))
+            entry[f"{opt_name}_lr"] = float(min(tuning, key=lambda k: tuning[k]))
         for seed in args.seeds:
             arms = entry["seeds"].setdefault(str(seed), {})
             for arm in args.arms:
                 if arm in arms:
                     continue
-                cosine = arm.startswith("cosine")
-                options = arm.split(":")[1:]
+                opt_name, jumps_on, options = parse_arm(arm)
+                if opt_name == "muon" and name in args.no_muon:
+                    continue
                 variant = "weight" if "weight" in options else "neuron"
-                caster = casters[variant] if "+nc" in arm else None
-                moments = next((o for o in options if o in ("reset", "judged")), "keep")
+                caster = casters[variant] if jumps_on else None
+                moments = next((o for o in options if o in ("reset", "judged", "trainer")), "keep")
                 cap = next((int(o[3:]) for o in options if o.startswith("cap")), None)
-                lr = best_lr if cosine else task["nominal_lr"]
-                r = run_arm(dict(base, seed=seed), lr, cosine, caster, moments, cap=cap, **kw)
+                lr = {"adam": task["nominal_lr"], "cosine": best_lr, "muon": best_lr,
+                      "sf": entry.get("sf_lr")}[opt_name]
+                r = run_arm(dict(base, seed=seed), lr, opt_name, caster, moments, cap=cap,
+                            muon_lr=entry.get("muon_lr") if opt_name == "muon" else None, **kw)
                 arms[arm] = r
                 print(f"{name} seed {seed} {arm}: final loss {r['final_loss']:.4f} acc {r['final_acc']:.4f}, "
                       f"{r['train_s']:.0f}s (nowcaster {r['nowcaster_s']:.2f}s); jumps "

@@ -9,9 +9,9 @@ from bench import nowcast_heldout as bench
 def test_quick_mode_runs(tmp_path, capsys):
     bench.main(["--quick", "--out", str(tmp_path / "heldout")])
     text = capsys.readouterr().out
-    assert "| cosine+nc |" in text and "| adam |" in text
+    assert "| cosine+nc:reset |" in text and "| adam |" in text and "| sf+nc |" in text and "| muon+nc:reset |" in text
     # The nowcast arms made their three calls; the plain arms none.
-    assert text.split("| cosine+nc |")[1].splitlines()[0].endswith("(3) |")
+    assert text.split("| cosine+nc:reset |")[1].splitlines()[0].endswith("(3) |")
     assert text.split("| adam |")[1].splitlines()[0].endswith("(0) |")
 
 
