@@ -38,7 +38,7 @@ from bench.nowcaster_meta import ROOT
 from bench.protocol import run_metadata
 from hybrid_trainer import nowcaster as nc
 
-SPEC = dict(arch="cnn", data="fashion55k", channels=[16, 32, 32], batch=128)
+SPEC = dict(arch="cnn", data="fashion55k", channels=[16, 32, 32], batch=128, nino_layout=True)
 TARGETS = (0.885, 0.893)  # NiNo's intermediate and high test-accuracy targets on FM-16
 # NiNo's public checkpoint on FM-16, seed 1000, one CPU thread (the authors' code, run unmodified):
 # steps to 88.5% / 89.3% test accuracy (None: never), best / final accuracy, final test loss.
@@ -97,23 +97,27 @@ def main(argv: list[str] | None = None) -> None:
                 if str(lr) not in tuning:
                     r = heldout.run_arm(spec, lr, "cosine", None, "keep", **kw)
                     tuning[str(lr)] = r
-                    print(f"cosine lr {lr:g}: final loss {r['final_loss']:.4f} acc {r['final_acc']:.4f}", flush=True)
+                    print(f"cosine lr {lr:g}: final loss {r['final_loss']:.4f} acc {r['final_acc']:.4f}, "
+                          f"{r['train_s']:.0f}s", flush=True)
                     save()
+            if arm == "cosine":  # the best of the tuning runs (every rate tried so far) is the arm
+                continue
+            missing = [lr for lr in args.cosine_grid if str(lr) not in tuning]
+            if missing:
+                raise ValueError(f"cosine rates {missing} are not tuned yet: run --arms cosine first")
             lr = float(min(tuning, key=lambda k: tuning[k]["final_loss"]))
-            results["cosine_lr"] = lr
         else:
             lr = args.adam_lr
         if arm in runs:
             continue
-        if arm == "cosine":
-            runs[arm] = tuning[str(lr)]
-        else:
-            moments = next((o for o in options if o in ("reset", "trainer")), "keep")
-            runs[arm] = heldout.run_arm(spec, lr, base, caster if jumps_on else None, moments, **kw)
-        r = runs[arm]
+        moments = next((o for o in options if o in ("reset", "trainer")), "keep")
+        r = runs[arm] = heldout.run_arm(spec, lr, base, caster if jumps_on else None, moments, **kw)
         print(f"{arm}: final loss {r['final_loss']:.4f} acc {r['final_acc']:.4f}, {r['train_s']:.0f}s "
               f"(nowcaster {r['nowcaster_s']:.2f}s)", flush=True)
         save()
+    if tuning:
+        results["cosine_lr"] = float(min(tuning, key=lambda k: tuning[k]["final_loss"]))
+    save()
     summarise(results, out)
 
 
@@ -136,7 +140,10 @@ def summarise(results: dict[str, Any], out: Path) -> None:
              "|---|---|---|---|---|---|---|---|"]
     fmt = lambda x: f"{x:,}" if x is not None else "never"  # noqa: E731
     sec = lambda x: f"{x:.0f}" if x is not None else "–"  # noqa: E731
-    for arm, r in results["runs"].items():
+    rows = dict(results["runs"])
+    for lr, r in results["tuning"].items():
+        rows["cosine" if float(lr) == results.get("cosine_lr") else f"cosine at {float(lr):g} (not chosen)"] = r
+    for arm, r in rows.items():
         (s1, w1), (s2, w2) = (reach(r["curve"], t) for t in results["targets"])
         calls = len([j for j in r["jumps"] if j.get("event", "jump") == "jump"])
         lines.append(f"| {arm} | {fmt(s1)} | {fmt(s2)} | {100 * max(c['acc'] for c in r['curve']):.2f}% / "
