@@ -143,7 +143,8 @@ def make_arm_optimizer(base: str, model: torch.nn.Module, lr: float, steps: int,
     if base == "cosine":
         return torch.optim.AdamW(params, lr=lr, weight_decay=0.01), cosine
     if base == "muon":
-        hidden = {id(p) for p in hidden_matrices(model) if p.ndim == 2}
+        head = getattr(model, "head", None)  # the CNN's output layer is not a hidden matrix
+        hidden = {id(p) for p in hidden_matrices(model) if p.ndim == 2 and (head is None or p is not head.weight)}
         if not hidden:
             raise ValueError("muon: the model has no hidden 2-D matrices (torch.optim.Muon takes 2-D weights only)")
         return CombinedOptimizer(

@@ -36,3 +36,66 @@ def test_jumper_adds_exactly_the_prediction():
     after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     torch.testing.assert_close(after - before, expected, rtol=0, atol=1e-6)
     assert math.isfinite(rel) and not jumper.ready
+
+
+def test_parse_arm_names_base_jumps_and_options():
+    import pytest
+
+    assert bench.parse_arm("cosine+nc:reset") == ("cosine", True, ["reset"])
+    assert bench.parse_arm("sf") == ("sf", False, [])
+    with pytest.raises(ValueError, match="arm"):
+        bench.parse_arm("sgd+nc")
+
+
+def test_muon_arm_trains_hidden_matrices_with_muon_and_refuses_a_cnn():
+    import pytest
+    import torch
+
+    from bench import nowcaster_family as fam
+
+    mlp = fam.make_model(dict(arch="mlp", hidden=[16, 8], seed=0))
+    opt, factor = bench.make_arm_optimizer("muon", mlp, 1e-3, steps=100, muon_lr=0.02)
+    muon, adamw = opt.parts
+    assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    assert [p.shape for g in muon.param_groups for p in g["params"]] == [(16, 784), (8, 16)]
+    assert factor(0) < factor(5) == 1.0 and factor(99) < 0.01  # warm-up, then cosine to zero
+    with pytest.raises(ValueError, match="2-D"):
+        bench.make_arm_optimizer("muon", fam.SmallCNN([4, 4]), 1e-3, steps=100, muon_lr=0.02)
+
+
+def test_schedule_free_jump_moves_gradient_point_z_and_average_together():
+    """A jump over schedule-free AdamW adds the displacement to y (the parameters) and z, so the
+    averaged point x, which the run is evaluated at, moves by exactly the same displacement."""
+    import torch
+
+    from bench import nowcaster_family as fam
+    from hybrid_trainer import nowcaster as nc
+
+    spec = dict(arch="mlp", data="mnist5k", hidden=[8], batch=16, seed=0)
+    model = fam.make_model(spec)
+    opt, _ = bench.make_arm_optimizer("sf", model, 1e-2, steps=20)
+    stream, loss_fn = fam.batches(spec), fam.loss_fn(spec)
+    jumper = bench.Jumper(nc.build_nowcaster("weight"), model, spacing=1, schedule_free=opt)
+    for _ in range(6):
+        loss = loss_fn(model, next(stream))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        jumper.snapshot()
+
+    def flat(tensors):
+        return torch.cat([t.detach().reshape(-1) for t in tensors]).clone()
+
+    def averaged():
+        opt.eval()
+        x = flat(model.parameters())
+        opt.train()
+        return x
+
+    params = list(model.parameters())
+    y0, z0, x0 = flat(params), flat(opt.state[p]["z"] for p in params), averaged()
+    expected = jumper.caster.predict(torch.stack(jumper.snaps), jumper.layout, 2)
+    jumper.jump(2)
+    torch.testing.assert_close(flat(params) - y0, expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(flat(opt.state[p]["z"] for p in params) - z0, expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(averaged() - x0, expected, rtol=0, atol=1e-5)

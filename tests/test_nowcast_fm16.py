@@ -1,0 +1,31 @@
+"""NiNo's FM-16 protocol: the model layout and the comparison with NiNo's figures."""
+from __future__ import annotations
+
+import torch
+
+from bench import nowcast_fm16 as fm16
+from bench import nowcaster_family as fam
+
+
+def test_fm16_model_is_ninos_layout():
+    model = fam.make_model(dict(fm16.SPEC, seed=0))
+    assert sum(p.numel() for p in model.parameters()) == 14_378
+    feats = model.features(torch.zeros(2, 1, 28, 28))
+    assert feats.shape == (2, 32, 13, 13)  # stride 2 unpadded, then stride 1 'same'
+
+
+def _curve(accs):
+    return [dict(step=200 * i, acc=a, loss=1.0, train_s=float(i)) for i, a in enumerate(accs)]
+
+
+def test_reach_and_verdict_against_ninos_steps():
+    curve = _curve([0.5, 0.886, 0.89, 0.894])
+    assert fm16.reach(curve, 0.885) == (200, 1.0) and fm16.reach(curve, 0.893) == (600, 3.0)
+    assert fm16.reach(curve, 0.95) == (None, None)
+    results = dict(targets=list(fm16.TARGETS), nino_reference=fm16.NINO_REFERENCE,
+                   runs={"adam+nc": dict(curve=curve), "adam": dict(curve=curve),
+                         "cosine+nc:reset": dict(curve=_curve([0.5] * 30 + [0.886] * 3 + [0.9]))})
+    lines = fm16.verdict(results)
+    assert len(lines) == 2  # the nowcast arms only
+    assert "at least NiNo's" in lines[0]  # 200 / 600 steps against NiNo's 3,600 / 4,400
+    assert "short of NiNo's" in lines[1]  # 6,000 / 6,600 steps
