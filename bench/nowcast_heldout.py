@@ -503,12 +503,12 @@ def verdict(results: dict[str, Any]) -> list[str]:
                                     "does)"), ("best", "the best nowcast arm per task")):
         if role not in met:
             continue
+        n, low = len(below[role]), sum(below[role])
         lines.append(f"- **VERDICT, {label}:** goal {'met' if all(met[role]) else 'NOT met'} "
                      f"({sum(met[role])} of {len(met[role])} tasks); stop rule "
-                     + ("**applies** (below " if all(below[role]) else "does **not** apply (at or above ")
-                     + f"{STOP_BELOW}× " + ("on every task" if all(below[role]) else
-                                             f"on {len(below[role]) - sum(below[role])} of {len(below[role])} tasks")
-                     + " at T75 or T100).")
+                     + (f"**applies**: below {STOP_BELOW}× at both targets on every task"
+                        if low == n else f"does **not** apply: {STOP_BELOW}× or more at T75 or T100 on {n - low} "
+                                         f"of {n} tasks"))
     return lines
 
 
