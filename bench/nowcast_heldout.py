@@ -103,8 +103,8 @@ class Jumper:
 
 
 BASES = ("adam", "cosine", "muon", "sf")
-MUON_GRID = (0.01, 0.02, 0.04)  # Muon's own rate scale (bench.e2e.MUON_LRS); AdamW trains the rest at cosine's rate
-SF_FACTORS = (1.0, 2.0, 4.0)  # schedule-free AdamW's rate, x the tuned cosine peak rate
+MUON_GRID = (0.02, 0.04)  # Muon's own rate scale (the upper two of bench.e2e.MUON_LRS); AdamW trains the rest at cosine's rate
+SF_FACTORS = (1.0, 2.0)  # schedule-free AdamW's rate, x the tuned cosine peak rate (two points: one core, a deadline)
 
 
 def parse_arm(arm: str) -> tuple[str, bool, list[str]]:
