@@ -78,7 +78,7 @@ def status() -> str:
          f"{no_predict['time_vs_plain']:.2f}× the plain DDP loop's training time (seeds "
          f"{no_predict['time_vs_plain_range'][0]:.2f}–{no_predict['time_vs_plain_range'][1]:.2f})", _cmd(ddp)),
     ]
-    rows += _overhead_rows() + _capacity_rows() + _nowcast_rows()
+    rows += _overhead_rows() + _capacity_rows() + _nowcast_rows() + _fm16_rows()
     lines = ["| what | measured (char-LM / Fashion-MNIST / digits where three) | command |", "|---|---|---|"]
     lines += [f"| {what} | {figure} | {command} |" for what, figure, command in rows]
     return "\n".join(lines)
@@ -169,6 +169,32 @@ def _nowcast_rows() -> list[tuple[str, str, str]]:
              f"({data['steps']} steps, ≤ {seeds} seeds; goal ≥ 1.5× steps and ≥ 1.3× wall-clock — {said})",
              " ".join(f"`{c}`" for c in data.get("commands") or [data["command"]]))]
 
+
+
+def _fm16_rows() -> list[tuple[str, str, str]]:
+    """The nowcaster on NiNo's own FM-16 protocol (``bench.nowcast_fm16``): steps to NiNo's two accuracy
+    targets for every arm that ran, beside NiNo's checkpoint's figures (a reference the file carries)."""
+    path = RESULTS / "nowcast_fm16.json"
+    if not path.exists():
+        return []
+    from bench.nowcast_fm16 import NINO_REFERENCE, reach
+
+    data = _load("nowcast_fm16.json")
+    rows = dict(data["runs"])
+    if data.get("cosine_lr") is not None:
+        rows["cosine"] = data["tuning"][str(data["cosine_lr"])]
+    steps = lambda r: " / ".join(f"{s:,}" if s is not None else "never"  # noqa: E731
+                                 for s in (reach(r["curve"], t)[0] for t in data["targets"]))
+    nino = NINO_REFERENCE["the same + NiNo every 1,000 steps"]["steps"]
+    ok = [a for a, r in data["runs"].items() if "+nc" in a
+          and all(s is not None and s <= n for s, n in zip((reach(r["curve"], t)[0] for t in data["targets"]), nino))]
+    t1, t2 = (f"{100 * t:.1f}%" for t in data["targets"])
+    cells = ", ".join(f"`{a}` {steps(r)}" for a, r in rows.items())
+    return [("Learned nowcaster on NiNo's own FM-16 protocol (Fashion-MNIST CNN, 10,000 steps, one seed)",
+             f"steps to {t1} / {t2} test accuracy: {cells}; NiNo's checkpoint every 1,000 steps, run with the authors' "
+             f"code on this machine: {nino[0]:,} / {nino[1]:,} — "
+             + (f"**at least NiNo's figures**: {', '.join(f'`{a}`' for a in ok)}" if ok else "**no arm reaches NiNo's figures**"),
+             " ".join(f"`{c}`" for c in data.get("commands") or [data["command"]]))]
 
 E2E_COLUMNS = (("HybridTrainer (default)", "trainer (default)"), ("HybridTrainer (no-predict)", "`predict=False`"),
                ("HybridTrainer (muon)", "trainer over Muon + AdamW"), ("Muon + AdamW", "plain Muon + AdamW"),
