@@ -44,3 +44,24 @@ def test_verdict_compares_like_with_like():
     assert "Over this repository's `cosine` run: 2.00× / 1.50×" in line
     assert "NiNo over its Adam baseline: 1.78× / the plain loop never reached it" in line
     assert "NiNo over its tuned cosine run: 1.44× / 1.45×" in line
+
+
+def test_readme_row_reads_steps_and_verdict_from_the_file(tmp_path, monkeypatch):
+    import json
+
+    from bench import readme_tables
+
+    fast, slow = _curve([0.5] * 5 + [0.886] * 5 + [0.9]), _curve([0.5] * 30 + [0.886] * 3 + [0.9])
+    data = dict(command="python -m bench.nowcast_fm16 --arms adam+nc", targets=list(fm16.TARGETS),
+                runs={"adam": dict(curve=slow), "adam+nc": dict(curve=fast)},
+                tuning={"0.01": dict(curve=slow, final_loss=0.3)}, cosine_lr=0.01)
+    (tmp_path / "nowcast_fm16.json").write_text(json.dumps(data))
+    monkeypatch.setattr(readme_tables, "RESULTS", tmp_path)
+    ((_, measured, command),) = readme_tables._fm16_rows()
+    assert "`adam+nc` 1,000 / 2,000" in measured and "`adam` 6,000 / 6,600" in measured
+    assert "`cosine` 6,000 / 6,600" in measured
+    assert "**at least NiNo's figures**: `adam+nc`" in measured
+    assert command == "`python -m bench.nowcast_fm16 --arms adam+nc`"
+    data["runs"]["adam+nc"] = dict(curve=slow)
+    (tmp_path / "nowcast_fm16.json").write_text(json.dumps(data))
+    assert "**no arm reaches NiNo's figures**" in readme_tables._fm16_rows()[0][1]
