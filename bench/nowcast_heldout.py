@@ -304,21 +304,42 @@ def first_reach(curve: list[dict[str, Any]], target: float) -> tuple[int | None,
     return None, None
 
 
+# The full protocol: every arm on every seed (Muon's arms not on the tasks in NO_MUON). The summary
+# lists whatever of it the result file does not hold yet.
+PROTOCOL_ARMS = ("cosine", "cosine+nc:trainer", "cosine+nc:reset", "adam", "adam+nc",
+                 "muon", "muon+nc:reset", "sf", "sf+nc")
+PROTOCOL_SEEDS = (0, 1, 2)
+NO_MUON = ("cnn",)
+
+
+def missing_runs(results: dict[str, Any]) -> dict[str, dict[str, list[int]]]:
+    """``{task: {arm: [seeds]}}`` of the protocol's runs (:data:`PROTOCOL_ARMS` x :data:`PROTOCOL_SEEDS`)
+    that ``results`` does not hold; empty when every one ran."""
+    missing: dict[str, dict[str, list[int]]] = {}
+    for name, entry in results["tasks"].items():
+        for arm in PROTOCOL_ARMS:
+            if parse_arm(arm)[0] == "muon" and name in NO_MUON:
+                continue
+            seeds = [s for s in PROTOCOL_SEEDS if arm not in entry["seeds"].get(str(s), {})]
+            if seeds:
+                missing.setdefault(name, {})[arm] = seeds
+    return missing
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.nowcast_heldout", description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", nargs="*", default=list(HELDOUT))
-    parser.add_argument("--seeds", nargs="*", type=int, default=[0, 1, 2])
+    parser.add_argument("--seeds", nargs="*", type=int, default=list(PROTOCOL_SEEDS))
     parser.add_argument("--tune-seed", type=int, default=99)
     parser.add_argument("--steps", type=int, default=5000)
     parser.add_argument("--spacing", type=int, default=nc.DEFAULT_SPACING)
     parser.add_argument("--call-every", type=int, default=300)
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--arms", nargs="*",
-                        default=["cosine", "cosine+nc:trainer", "cosine+nc:reset", "adam", "adam+nc",
-                                 "muon", "muon+nc:reset", "sf", "sf+nc"],
+                        default=list(PROTOCOL_ARMS),
                         help="base optimizer (adam, cosine, muon, sf), '+nc' for nowcast jumps, ':' options: "
                              "reset, judged, trainer, capN, weight")
-    parser.add_argument("--no-muon", nargs="*", default=["cnn"],
+    parser.add_argument("--no-muon", nargs="*", default=list(NO_MUON),
                         help="tasks without Muon arms (torch.optim.Muon takes 2-D matrices only; the CNN's "
                              "hidden layers are convolutions)")
     parser.add_argument("--nowcaster", default=None, help="neuron-aware weights (default: the shipped ones)")
@@ -536,6 +557,12 @@ def summarise(results: dict[str, Any], out: Path, quick: bool = False) -> None:
              "optimizer state at each jump; `sf+nc` jumps the weights schedule-free trains (its gradient point y) "
              "and moves its z sequence by the same displacement, so its averaged point moves with them (moments "
              "kept).", "", "## Verdict", ""] + verdict(results) + [""]
+    if not quick:
+        missing = missing_runs(results)
+        lines += ["## Not run yet", ""] + ([f"- {name}: " + "; ".join(
+            f"`{arm}` seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}" for arm, seeds in arms.items())
+            for name, arms in missing.items()] if missing else [
+            f"Every arm of the protocol ran on seeds {', '.join(map(str, PROTOCOL_SEEDS))} of every task."]) + [""]
     cost = results.get("call_cost", {})
     if cost:
         variants = [k[:-2] for k in next(iter(cost.values())) if k.endswith("_s") and k != "train_step_s"]

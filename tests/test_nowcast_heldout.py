@@ -99,3 +99,14 @@ def test_schedule_free_jump_moves_gradient_point_z_and_average_together():
     torch.testing.assert_close(flat(params) - y0, expected, rtol=0, atol=1e-6)
     torch.testing.assert_close(flat(opt.state[p]["z"] for p in params) - z0, expected, rtol=0, atol=1e-6)
     torch.testing.assert_close(averaged() - x0, expected, rtol=0, atol=1e-5)
+
+
+def test_missing_runs_lists_what_the_protocol_lacks():
+    every = {str(s): {a: {} for a in bench.PROTOCOL_ARMS} for s in bench.PROTOCOL_SEEDS}
+    results = {"tasks": {"mlp": {"seeds": every}, "cnn": {"seeds": {str(s): {a: {} for a in bench.PROTOCOL_ARMS
+                                                                         if not a.startswith("muon")}
+                                                                 for s in bench.PROTOCOL_SEEDS}}}}
+    assert bench.missing_runs(results) == {}  # the CNN owes no Muon arm
+    del results["tasks"]["mlp"]["seeds"]["2"]["sf+nc"]
+    del results["tasks"]["cnn"]["seeds"]["1"]["sf"], results["tasks"]["cnn"]["seeds"]["2"]["sf"]
+    assert bench.missing_runs(results) == {"mlp": {"sf+nc": [2]}, "cnn": {"sf": [1, 2]}}
