@@ -9,6 +9,9 @@ device, so this benchmark counts them on the CPU (a proxy for launches; no GPU n
 plain AdamW loop and for HybridTrainer with prediction off, with it on and the per-tensor
 reductions of the CPU path, and with it on and the batched reductions of the CUDA path. The
 optimizer is AdamW with ``foreach=True``, the implementation a GPU uses (one op per foreach call).
+Two more arms use ``fused=True`` AdamW: its plain loop, and the trainer with prediction off and
+``read_every=16`` (a GPU's default), whose steps read nothing back except once per 16 steps
+(:mod:`hybrid_trainer.deferred_checks`).
 Ops issued inside the Triton interpreter (the test suite's CPU kernels) are not counted.
 
 Each arm warms up for ``--warmup`` steps, then counts the ops of each of ``--steps`` steps and
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import statistics
 import sys
@@ -102,7 +106,8 @@ class HostOps(TorchDispatchMode):
 
 
 ARMS = ("AdamW loop", "HybridTrainer predict=False", "HybridTrainer, per-tensor reductions",
-        "HybridTrainer, batched reductions")
+        "HybridTrainer, batched reductions", "fused AdamW loop", "HybridTrainer predict=False, fused, read_every=16")
+FUSED_ARMS = ARMS[4:]  # AdamW(fused=True): its step skips a non-finite update on the device when told to
 
 
 def count_arm(task, arm: str, warmup: int, steps: int, lr: float) -> dict:
@@ -112,9 +117,13 @@ def count_arm(task, arm: str, warmup: int, steps: int, lr: float) -> dict:
     from .protocol import preset_config, training_step
 
     model = task.make_model(0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, foreach=True)
+    fused = arm in FUSED_ARMS
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, **(dict(fused=True) if fused else dict(foreach=True)))
     trainer = None
-    if arm != ARMS[0]:
+    if arm == ARMS[5]:  # the guard reads a block of 16 steps at once (hybrid_trainer.deferred_checks)
+        config = dataclasses.replace(preset_config("no-predict"), read_every=16)
+        trainer = HybridTrainer(model, optimizer, task.loss_fn, config)
+    elif arm not in (ARMS[0], ARMS[4]):
         trainer = HybridTrainer(model, optimizer, task.loss_fn, preset_config("no-predict" if arm == ARMS[1] else "default"))
         trainer.predictor.batched_reductions = arm == ARMS[3]
     stream = task.batches(0)
@@ -136,6 +145,7 @@ def count_arm(task, arm: str, warmup: int, steps: int, lr: float) -> dict:
     return dict(median=statistics.median(per_step), max=max(per_step), min=min(per_step),
                 per_caller={k: v / steps for k, v in callers.most_common()}, phases=dict(phases),
                 read_backs_median=statistics.median(reads_per_step), read_backs_max=max(reads_per_step),
+                read_backs_mean=statistics.fmean(reads_per_step),
                 read_backs_by_caller={k: v / steps for k, v in readers.most_common()},
                 parameter_tensors=len(list(model.parameters())),
                 prediction_enabled=None if trainer is None else trainer.controller.prediction_enabled)
@@ -149,12 +159,13 @@ def markdown(results: dict) -> str:
         first = next(iter(arms.values()))
         lines += [f"### {task} ({first['parameter_tensors']} parameter tensors)", "",
                   "| arm | ops per step (median) | min–max | top callers (mean ops per step) | read-backs per step "
-                  "(median, max) | read by (mean per step) |", "|---|---|---|---|---|---|"]
+                  "(median, max, mean) | read by (mean per step) |", "|---|---|---|---|---|---|"]
         for arm, r in arms.items():
             top = ", ".join(f"{k} {v:.0f}" for k, v in list(r["per_caller"].items())[:4])
             readers = ", ".join(f"{k} {v:.2g}" for k, v in r.get("read_backs_by_caller", {}).items()) or "none"
             lines.append(f"| {arm} | {r['median']:.0f} | {r['min']}–{r['max']} | {top} | "
-                         f"{r.get('read_backs_median', 0):.0f}, {r.get('read_backs_max', 0)} | {readers} |")
+                         f"{r.get('read_backs_median', 0):.0f}, {r.get('read_backs_max', 0)}, "
+                         f"{r.get('read_backs_mean', 0):.2f} | {readers} |")
         lines.append("")
     return "\n".join(lines)
 

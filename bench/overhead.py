@@ -3,18 +3,26 @@
     python -m bench.overhead [--models mlp-1ms fashion charlm mlp-50m] [--device cpu|cuda] [--quick]
 
 Every model is trained by the plain loop (``zero_grad``, ``loss.backward()``, ``optimizer.step()``:
-no read of the loss) and by ``HybridTrainer`` in three configurations (``predict=False``, the
-default, ``weight_average=True``), all with AdamW (torch's default implementation for the device),
+no read of the loss) and by ``HybridTrainer`` in four configurations (``predict=False``, the
+default, ``weight_average=True``, and ``predict=False`` with the guard reading every 16 steps,
+``read_every=16``, a GPU's default), all with AdamW (torch's default implementation for the device),
 the same initial weights, the same batches in the same order and the same seed.
 
 * **Time** (models under ``IN_PROCESS_PARAMS`` parameters): every arm lives in one process and
   the arms are stepped in interleaved chunks (the order rotated each round), so the machine's
   load falls on all of them alike. On CUDA a chunk is timed as a whole between two
   synchronisations (each of its steps gets the chunk's mean), so the trainer's own waits on the
-  device are in its time. Per arm the median step time over the timed steps, after
-  ``--warmup`` untimed steps; for the trainer also the median over its real steps only (the
-  default config's predicted steps skip the backward, which is a saving, not an overhead). The
-  fixed cost is the difference of the medians in µs, the ratio their quotient. Larger models
+  device are in its time. Per arm the median over chunks (``--chunk`` steps, 16 by default) of
+  the chunk's mean step time, after ``--warmup`` untimed steps (and an arm that is not a
+  trainer: the plain loop plus the gradient norm and its read, the least a per-step NaN guard
+  costs): what happens once every N
+  steps (a good-state snapshot, the guard's read of a block with ``read_every``) is in every
+  chunk's mean, where a median over single steps would leave it out; the per-step median is
+  recorded beside it. On a CPU a step's time is the thread's CPU time (``time.thread_time``):
+  with one thread per process that is all of the step's work, without the time other processes
+  held the core. For the trainer also the median over its real steps only (the default
+  config's predicted steps skip the backward, which is a saving, not an overhead). The fixed
+  cost is the difference of the chunk medians in µs, the ratio their quotient. Larger models
   (the ≥50M one) are timed inside their memory subprocess, one arm after another.
 * **Peak memory**: each arm in a fresh subprocess. The data and batches are made first and the
   arm runs a few throwaway steps (on the model itself, on a tiny one of the same kind for the
@@ -36,6 +44,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import platform
 import re
@@ -58,7 +67,13 @@ ARMS: dict[str, dict[str, Any] | None] = {
     "predict=False": dict(predict=False),
     "default": {},
     "weight_average": dict(weight_average=True),
+    # The guard reads a block of 16 steps at once (what a GPU gets by default; a CPU reads every step).
+    "predict=False, read_every=16": dict(predict=False, read_every=16),
 }
+# Not a trainer: the plain loop plus the least any per-step NaN guard does (the global gradient
+# norm, one pass over the gradients, and a read of it and the loss). The trainer's overhead above
+# this arm's is its own bookkeeping; this arm's above the plain loop is the floor of the guard.
+GUARD_FLOOR = "plain + norm and read (guard floor)"
 IN_PROCESS_PARAMS = 5_000_000  # above this, all arms in one process would hold too much memory at once
 
 
@@ -135,6 +150,17 @@ def _arm_step(arm: str, workload: Workload, device: torch.device, seed: int = 0)
 
     model = workload.make_model(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=workload.lr)
+    if arm == GUARD_FLOOR:
+        params = [p for p in model.parameters() if p.requires_grad]
+
+        def floor(batch) -> None:
+            optimizer.zero_grad(set_to_none=True)
+            loss = workload.loss_fn(model, batch)
+            loss.backward()
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in params])))
+            if math.isfinite(loss.item()) and math.isfinite(norm.item()):
+                optimizer.step()
+        return floor, None, model
     if ARMS[arm] is None:
         def plain(batch) -> None:
             optimizer.zero_grad(set_to_none=True)
@@ -154,9 +180,13 @@ def _phase(trainer) -> str:
     return "plain" if trainer is None else trainer.controller.phase.value
 
 
-def _time_summary(times_s: list[float], phases: list[str]) -> dict[str, Any]:
+def _time_summary(times_s: list[float], phases: list[str], chunk: int) -> dict[str, Any]:
     real = [t for t, p in zip(times_s, phases) if p != "PREDICT"]
-    return dict(steps=len(times_s), median_us=1e6 * statistics.median(times_s),
+    # Median over chunks of the chunk's mean step: what happens every N steps (a good-state
+    # snapshot, a block read) is in every chunk's mean, where a per-step median would drop it.
+    chunk_means = [statistics.fmean(times_s[i:i + chunk]) for i in range(0, len(times_s) - chunk + 1, chunk)]
+    return dict(steps=len(times_s), chunk=chunk, chunk_median_us=1e6 * statistics.median(chunk_means),
+                median_us=1e6 * statistics.median(times_s),
                 mean_us=1e6 * statistics.fmean(times_s),
                 real_steps=len(real), real_median_us=1e6 * statistics.median(real) if real else None,
                 phases={p: phases.count(p) for p in sorted(set(phases))})
@@ -167,7 +197,7 @@ def time_interleaved(workload: Workload, device: torch.device, warmup: int, step
                      progress) -> dict[str, dict[str, Any]]:
     """Per arm: step times in one process, arms interleaved chunk by chunk."""
     arms = {}
-    for arm in ARMS:
+    for arm in [*ARMS, GUARD_FLOOR]:
         step, trainer, _ = _arm_step(arm, workload, device)
         arms[arm] = dict(step=step, trainer=trainer, position=0, times=[], phases=[])
     n = len(workload.batches)
@@ -199,15 +229,17 @@ def time_interleaved(workload: Workload, device: torch.device, warmup: int, step
             for _ in range(chunk):
                 batch = workload.batches[a["position"] % n]
                 phase = _phase(a["trainer"])
-                started = time.perf_counter()
+                # The thread's CPU time: with one thread per process the step's whole work, and
+                # not the time another process held the core (helpers and CI share this machine).
+                started = time.thread_time()
                 a["step"](batch)
-                a["times"].append(time.perf_counter() - started)
+                a["times"].append(time.thread_time() - started)
                 a["phases"].append(phase)
                 a["position"] += 1
         progress.update(1)
     out = {}
     for arm, a in arms.items():
-        out[arm] = _time_summary(a["times"], a["phases"])
+        out[arm] = _time_summary(a["times"], a["phases"], chunk)
         if a["trainer"] is not None:
             out[arm]["prediction_enabled_at_end"] = a["trainer"].controller.prediction_enabled
     return out
@@ -340,7 +372,7 @@ def memory_child(model_name: str, arm: str, device_name: str, steps: int, n_batc
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _peak_rss_bytes()
     result = dict(model=model_name, arm=arm, baseline_bytes=baseline, peak_bytes=peak, training_bytes=peak - baseline,
                   parameters=sum(p.numel() for p in model.parameters()), steps=steps,
-                  time=_time_summary(times, phases) if times else None)
+                  time=_time_summary(times, phases, len(times)) if times else None)
     if trainer is not None:
         result["trainer_tensor_bytes"] = trainer_tensor_bytes(trainer)
         result["prediction_enabled_at_end"] = trainer.controller.prediction_enabled
@@ -365,8 +397,9 @@ def compare(plain: dict, arm: dict) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if plain.get("time") and arm.get("time"):
         p, a = plain["time"], arm["time"]
-        out["time_ratio"] = a["median_us"] / p["median_us"]
-        out["overhead_us"] = a["median_us"] - p["median_us"]
+        key = "chunk_median_us" if "chunk_median_us" in a and "chunk_median_us" in p else "median_us"
+        out["time_ratio"] = a[key] / p[key]
+        out["overhead_us"] = a[key] - p[key]
         if a["real_median_us"] is not None:
             out["real_step_ratio"] = a["real_median_us"] / p["median_us"]
             out["real_step_overhead_us"] = a["real_median_us"] - p["median_us"]
@@ -389,7 +422,8 @@ def markdown(results: dict[str, Any]) -> str:
     lines = [f"Trainer overhead over the plain AdamW loop, `{results['command']}` ({results['date']}, commit "
              f"{(results['git']['commit'] or '?')[:10]}{' + uncommitted changes' if results['git']['dirty'] else ''}, "
              f"torch {results['torch']}, {results['device']}, {results['threads']} thread(s)).", "",
-             "Time: median step, arms interleaved in one process (models ≤ 5M parameters) or one after another in "
+             "Time: median over chunks of 16 steps of the chunk's mean step (so a cost paid every N steps counts), "
+             "arms interleaved in one process (models ≤ 5M parameters) or one after another in "
              "their memory process (larger); overhead = trainer − plain. Real steps: the trainer's non-predicted "
              "steps. Memory: peak training memory (peak RSS above the baseline after data loading) in a fresh "
              "process per arm; ratio = trainer / plain.", "",
@@ -406,7 +440,8 @@ def markdown(results: dict[str, Any]) -> str:
             t = a.get("time") or {}
             held = (a.get("memory") or {}).get("trainer_tensor_bytes", {}).get("total")
             fmt = lambda v, f: "–" if v is None else format(v, f)  # noqa: E731
-            lines.append(f"| {model} | {r['parameters'] / 1e6:.2f}M | {arm} | {fmt(t.get('median_us'), '.0f')} | "
+            step_us = t.get("chunk_median_us", t.get("median_us"))
+            lines.append(f"| {model} | {r['parameters'] / 1e6:.2f}M | {arm} | {fmt(step_us, '.0f')} | "
                          f"{fmt(c.get('overhead_us'), '+.0f')} | {fmt(c.get('time_ratio'), '.3f')} | "
                          f"{fmt(c.get('real_step_ratio'), '.3f')} | {_mb((a.get('memory') or {}).get('training_bytes'))} | "
                          f"{fmt(c.get('memory_ratio'), '.3f')} | {_mb(c.get('extra_bytes'))} | {_mb(held)} |")
@@ -438,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny sizes and few steps (tests)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps per arm before timing")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per arm")
-    parser.add_argument("--chunk", type=int, default=10, help="steps per arm per interleaving round")
+    parser.add_argument("--chunk", type=int, default=16, help="steps per arm per interleaving round")
     parser.add_argument("--memory-steps", type=int, default=None, help="steps per memory run (fresh process)")
     parser.add_argument("--batches", type=int, default=64, help="distinct batches, cycled")
     parser.add_argument("--breakdown-steps", type=int, default=None,
@@ -477,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
         if not big:
             with tqdm(total=-(-steps // args.chunk), desc=f"{name}: time", leave=False) as bar:
                 for arm, t in time_interleaved(workload, device, warmup, steps, args.chunk, bar).items():
-                    entry["arms"][arm]["time"] = t
+                    entry["arms"].setdefault(arm, {})["time"] = t
             parts_steps = args.breakdown_steps if args.breakdown_steps is not None else (10 if args.quick else 300)
             if parts_steps:
                 entry["breakdown"] = breakdown(workload, "predict=False", device, warmup, parts_steps)

@@ -57,3 +57,20 @@ class BufferGuard:
                     buffer.copy_(saved)
             else:  # reassigned with another shape by the forward: put the one from before back
                 owner._buffers[name] = saved.clone()
+
+    def restore_where(self, refused: torch.Tensor) -> None:
+        """:meth:`restore` decided on the device: each buffer takes its saved value where
+        ``refused`` (a 0-d tensor, 1 for a refused step, 0 otherwise) is 1, and keeps its own where
+        it is 0, with no read of ``refused`` (a step whose checks wait, see
+        :mod:`~hybrid_trainer.deferred_checks`). A buffer the forward reassigned with another
+        shape cannot be chosen that way, and costs one read."""
+        if not self.slots or not self._taken:
+            return
+        flag = refused.bool()
+        for (owner, name), saved in zip(self.slots, self._saved):
+            buffer = owner._buffers[name]
+            if buffer.shape == saved.shape and buffer.dtype == saved.dtype:
+                with torch.no_grad():
+                    buffer.copy_(torch.where(flag, saved, buffer))
+            elif bool(flag):
+                owner._buffers[name] = saved.clone()

@@ -86,6 +86,14 @@ class HybridConfig:
             (beside the weights: the fastest, and three copies of them with AdamW). A rollback
             restores the same bits from any of them (:class:`~hybrid_trainer.anchor.WeightAnchor`).
         snapshot_dir: folder of the ``"file"`` snapshot (None: the system's temporary folder).
+        read_every: real steps between the guard's reads of the loss and gradient norm once
+            prediction is off (1: read and judge every step; None: 16 on a GPU, where each read
+            waits for the device, and 1 elsewhere, where reads cost nothing). With N > 1 a step reads nothing
+            back from the device with a fused optimizer (``fused=True`` Adam, AdamW, SGD: a
+            non-finite gradient is skipped on the device) and the divergence monitor judges N
+            steps at once; a spike found then rolls back to the last good state as a per-step
+            check would have (:mod:`~hybrid_trainer.deferred_checks`). A ``StepResult``'s loss
+            is then read when first accessed and its verdict settles at the next read.
         divergence: keyword arguments for :class:`~hybrid_trainer.divergence.DivergenceMonitor`,
             checked by ``validate()`` with the monitor's own checks.
         memory_profile: record a memory snapshot (NVML/torch.cuda on GPU, RSS on CPU) every
@@ -179,6 +187,7 @@ class HybridConfig:
     good_state_every: int = 50
     good_state_storage: str = "auto"
     snapshot_dir: str | None = None
+    read_every: int | None = None
     divergence: dict[str, Any] = field(default_factory=dict)
     memory_profile: bool = False
     memory_every: int = 1
@@ -273,6 +282,8 @@ class HybridConfig:
         need("autocast_dtype", self.autocast_dtype in AUTOCAST_DTYPES, f"one of {AUTOCAST_DTYPES}")
         need("good_state_every", is_int(self.good_state_every) and self.good_state_every >= 0, "an int >= 0")
         need("good_state_storage", self.good_state_storage in GOOD_STATE_STORAGES, f"one of {GOOD_STATE_STORAGES}")
+        need("read_every", self.read_every is None or (is_int(self.read_every) and self.read_every >= 1),
+             "None or an int >= 1")
         need("snapshot_dir", self.snapshot_dir is None or (isinstance(self.snapshot_dir, str) and self.snapshot_dir),
              "None or a folder path (str)")
         need("divergence", isinstance(self.divergence, dict), "a dict of DivergenceMonitor keyword arguments")

@@ -72,7 +72,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 from statistics import median
 
-__all__ = ["Severity", "DivergenceReport", "DivergenceMonitor", "REASON_KINDS"]
+__all__ = ["Severity", "DivergenceReport", "DivergenceMonitor", "QuietLimits", "REASON_KINDS"]
 
 #: Keys of :attr:`DivergenceMonitor.counts`, one per kind of signal.
 REASON_KINDS = ("nan", "loss_jump", "loss_z", "grad_explosion", "grad_vanish", "oscillation")
@@ -110,6 +110,21 @@ class DivergenceReport:
     def critical(self) -> bool:
         """True when the step must not be accepted (the trainer rolls back)."""
         return self.severity >= Severity.CRITICAL
+
+
+@dataclass(frozen=True)
+class QuietLimits:
+    """A loss at most ``loss_ceiling`` and a gradient norm in [``grad_floor``, ``grad_ceiling``]
+    raise nothing (:meth:`DivergenceMonitor.quiet_limits`)."""
+
+    loss_ceiling: float
+    grad_ceiling: float
+    grad_floor: float
+
+    def quiet(self, loss: float, grad_norm: float | None) -> bool:
+        # A NaN fails every comparison; the infinities fail the open bounds: neither is ever quiet.
+        return (-math.inf < loss <= self.loss_ceiling
+                and (grad_norm is None or (self.grad_floor <= grad_norm <= self.grad_ceiling and grad_norm < math.inf)))
 
 
 def _is_number(value) -> bool:
@@ -292,6 +307,54 @@ class DivergenceMonitor:
     def history_length(self) -> int:
         """Number of accepted losses currently remembered."""
         return len(self._losses)
+
+    # ------------------------------------------------------------------ blocks of steps
+    def quiet_limits(self) -> QuietLimits | None:
+        """Bounds inside which a step's loss and gradient norm raise nothing against the window as
+        it is now (no loss jump, a loss z-score at most ``loss_z_warning``, a norm neither exploding
+        nor vanishing), for judging a block of steps read at once; None while there is no history.
+        The oscillation warning is not covered (:meth:`check_oscillation_once`)."""
+        losses = self._losses
+        if not losses:
+            return None
+        recent = list(losses)[-self.window:]
+        magnitude = max(max(abs(v) for v in recent), _ABSOLUTE_SCALE_FLOOR)
+        ceiling = max(recent) + (self.loss_jump_factor - 1) * magnitude  # the loss_jump rule's bound
+        if len(losses) >= self.min_history:  # the z-score rule's: z <= warning
+            center = median(recent)
+            mad_scale = _MAD_TO_STD * median(abs(v - center) for v in recent)
+            mean = sum(recent) / len(recent)
+            std = math.sqrt(sum((v - mean) ** 2 for v in recent) / (len(recent) - 1))
+            ceiling = min(ceiling, center + self.loss_z_warning * max(mad_scale, std, self._scale_floor(center)))
+        norms = self._grad_norms
+        grad_ceiling = math.inf
+        if len(norms) >= self.min_history:
+            reference = median(norms)
+            if reference > self.grad_vanish_threshold:
+                grad_ceiling = self.grad_explosion_factor * reference
+        elif norms:
+            highest = max(norms)
+            if highest > self.grad_vanish_threshold:
+                grad_ceiling = self.grad_jump_factor * highest
+        return QuietLimits(ceiling, grad_ceiling, self.grad_vanish_threshold)
+
+    def observe_quiet(self, loss: float, grad_norm: float | None) -> None:
+        """:meth:`observe` for values already found finite and inside :meth:`quiet_limits`."""
+        self._record_loss(loss)
+        if grad_norm is not None:
+            self._grad_norms.append(grad_norm)
+        self.refused_in_a_row = 0
+
+    def check_oscillation_once(self) -> bool:
+        """The oscillation test on the accepted losses as they are now, counted as one warning
+        when it fires (a block of steps read at once is looked at once)."""
+        share = self.oscillation_share()
+        if share is None or share <= self.oscillation_threshold:
+            return False
+        if self._slope(self._oscillation_points(None)) < 0:
+            return False
+        self.counts["oscillation"] += 1
+        return True
 
     # ------------------------------------------------------------------ checking
     def check(self, loss: float | None, grad_norm: float | None = None, *, count: bool = True) -> DivergenceReport:

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .phases import Phase
+from .run_report import PendingStepResult
 
 logger = logging.getLogger(__name__)
 
@@ -183,13 +184,10 @@ class Events:
         rollback, prediction switched off, a phase change. Called only when one of them
         happened (the trainer compares a few attributes first)."""
         controller = trainer.controller
-        if result.skipped:
-            self.update_refused(RefusedUpdate(step=result.step, phase=result.phase, loss=result.loss,
-                                              grad_norm=result.grad_norm, reason=result.divergence,
-                                              rolled_back=result.rolled_back))
-            if result.rolled_back:
-                self.rolled_back(Rollback(step=result.step, kind="divergence", reason=result.divergence,
-                                          to_step=trainer.guard.good_state.step))
+        if isinstance(result, PendingStepResult):
+            pass  # a deferred step's refusal and rollback are reported at its read (trainer._settle)
+        elif result.skipped:
+            self.step_refused(trainer, result)
         elif result.rolled_back:  # a verification rejected the PREDICT phase
             self.rolled_back(Rollback(step=result.step, kind="rejected_prediction", reason=result.divergence,
                                       predicted_steps_undone=trainer.predict_phase.last_rollback_steps))
@@ -197,6 +195,15 @@ class Events:
             self.prediction_disabled(result.step, controller.disabled_reason)
         if controller.phase is not phase:
             self.phase_changed(result.step, phase, controller.phase, controller.length)
+
+    def step_refused(self, trainer: Any, result: Any) -> None:
+        """The events of a real step whose update was refused (and, for a spike, rolled back)."""
+        self.update_refused(RefusedUpdate(step=result.step, phase=result.phase, loss=result.loss,
+                                          grad_norm=result.grad_norm, reason=result.divergence,
+                                          rolled_back=result.rolled_back))
+        if result.rolled_back:
+            self.rolled_back(Rollback(step=result.step, kind="divergence", reason=result.divergence,
+                                      to_step=trainer.guard.good_state.step))
 
     def update_refused(self, event: RefusedUpdate) -> None:
         logger.warning("step %d: update refused (%s; loss %s, grad norm %s)%s", event.step, event.reason,

@@ -57,6 +57,23 @@ def _plain(t: torch.Tensor) -> torch.Tensor | None:
     return dequantize() if callable(dequantize) else None
 
 
+def _max_abs_stand_ins(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per tensor, values that are all finite exactly when every entry is, without overflow:
+    the max-abs norm (a (1,) tensor) through one multi-tensor kernel on a GPU, the minimum and
+    maximum (a (2,) tensor) on a CPU, where ``_foreach_norm(inf)`` takes a scalar path (5.2 ms for
+    1.6M floats against 0.2 ms for ``aminmax``, measured on this project's 2-core CPU)."""
+    cpu = [i for i, t in enumerate(tensors) if t.device.type == "cpu"]
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    for i in cpu:
+        low, high = torch.aminmax(tensors[i])
+        out[i] = torch.stack([low, high])
+    others = [i for i in range(len(tensors)) if out[i] is None]
+    if others:
+        for i, norm in zip(others, torch._foreach_norm([tensors[i] for i in others], math.inf)):
+            out[i] = norm.reshape(1).expand(2)
+    return out
+
+
 def non_finite_names(named: Iterable[tuple[str, Any]]) -> list[str]:
     """Names of the floating tensors among ``named`` that hold a NaN or an Inf. One host read for all
     of them (the max-abs norm of a tensor is finite exactly when every entry is)."""
@@ -64,7 +81,7 @@ def non_finite_names(named: Iterable[tuple[str, Any]]) -> list[str]:
     pairs = [(name, t) for name, t in pairs if t is not None]
     if not pairs:
         return []
-    norms = torch._foreach_norm([t.detach() for _, t in pairs], math.inf)
+    norms = _max_abs_stand_ins([t.detach() for _, t in pairs])
     # One flag per tensor, stacked where the tensors live, then read once per device (a read per
     # tensor would wait for a GPU's queue once per tensor).
     by_device: dict[torch.device, list[int]] = {}
@@ -72,7 +89,7 @@ def non_finite_names(named: Iterable[tuple[str, Any]]) -> list[str]:
         by_device.setdefault(norm.device, []).append(index)
     finite = [True] * len(pairs)
     for indices in by_device.values():
-        flags = torch.isfinite(torch.stack([norms[i].float() for i in indices])).tolist()
+        flags = torch.isfinite(torch.stack([norms[i].float() for i in indices])).all(dim=-1).tolist()
         for i, ok in zip(indices, flags):
             finite[i] = ok
     return [name for (name, _), ok in zip(pairs, finite) if not ok]

@@ -34,6 +34,49 @@ class StepResult:
     emergency_checkpoint_error: str | None = None  # why this step's emergency checkpoint was not written
 
 
+def _read_on_access(name: str) -> property:
+    """A field whose value may still be on the device: the first read of it reads it."""
+    key = "_" + name
+
+    def get(self):
+        if self._on_device is not None:
+            self._read_device_values()
+        return self.__dict__.get(key)
+
+    def set(self, value):
+        self.__dict__[key] = value
+
+    return property(get, set)
+
+
+class PendingStepResult(StepResult):
+    """A real step whose checks wait for the guard's next read (``HybridConfig.read_every`` > 1;
+    :mod:`~hybrid_trainer.deferred_checks`). ``loss`` and ``grad_norm`` are read from the device
+    when first accessed (one read, as ``loss.item()`` in a plain loop); ``skipped``,
+    ``rolled_back`` and ``divergence`` settle at the next read (``divergence`` is ``"PENDING"``
+    until then; ``settled`` says whether it happened)."""
+
+    loss = _read_on_access("loss")
+    grad_norm = _read_on_access("grad_norm")
+    _on_device: Any = None  # the step's (loss, norm) as a 2-value device tensor, until read
+    _has_norm = True
+    settled = False
+
+    def values_on_device(self, values: Any, has_norm: bool) -> None:
+        self._on_device, self._has_norm = values, has_norm
+
+    def values_read(self, loss: float, grad_norm: float | None) -> None:
+        """The step's values as read; a non-finite loss is reported as None, like a refused step's."""
+        self._on_device = None
+        finite = loss == loss and abs(loss) != float("inf")
+        self.loss = loss if finite else None
+        self.grad_norm = grad_norm if finite and self._has_norm else None
+
+    def _read_device_values(self) -> None:
+        loss, norm = self._on_device.tolist()
+        self.values_read(loss, norm)
+
+
 @dataclass
 class RunStatistics:
     steps_by_phase: dict[str, int] = field(default_factory=lambda: {p.value: 0 for p in Phase})

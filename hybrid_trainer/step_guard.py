@@ -40,6 +40,7 @@ import torch
 from .anchor import WeightAnchor
 from .buffer_guard import BufferGuard
 from .config import HybridConfig
+from .deferred_checks import DeferredChecks
 from .divergence import DivergenceMonitor, Severity
 from .errors import TrainingStalledError
 from .resume_check import non_finite_names
@@ -123,6 +124,9 @@ class StepGuard:
         # Where a read waits for nothing there is nothing to overlap: the device-side skip's extra
         # ops would only add work to every step (a CPU's sub-millisecond MLP steps notice it).
         self.overlap = not reads_are_free(device)
+        # Checks read once every read_every steps while prediction is off (deferred_checks).
+        every = config.read_every if config.read_every is not None else (1 if reads_are_free(device) else 16)
+        self.deferred = DeferredChecks(every) if every > 1 else None
 
     def retarget(self, params: list[torch.Tensor], buffers: list[tuple[torch.nn.Module, str]],
                  module: torch.nn.Module | None = None) -> None:
@@ -147,6 +151,27 @@ class StepGuard:
     def before_forward(self) -> None:
         """Called before a real step's forward: keep the buffers it is about to change."""
         self.buffers_before.before_forward()
+
+    def defers(self) -> bool:
+        """Whether this step's checks may wait for the next read (``read_every`` > 1; not under a
+        GradScaler, which decides its own skip; not before a good state exists, since a spike
+        found later goes back to it). The trainer adds its own conditions (prediction off)."""
+        return self.deferred is not None and self.scaler is None and self.good_state.is_set
+
+    def snapshot_if_due(self, step: int) -> None:
+        """After a block of deferred steps judged healthy: take the good state when
+        ``good_state_every`` steps have passed since the last one (or escalate, as
+        :meth:`accept` does, if something in it is non-finite)."""
+        every = self.config.good_state_every
+        if not every or (self.good_state.step is not None and step - self.good_state.step < every):
+            return
+        bad = self.non_finite_state()
+        if bad:
+            self.escalate("non-finite values where the good state was to be taken", bad, step)
+            return
+        self.good_state.save(step, self.optimizer)
+        self.monitor.remember_window()
+        self.stall_restored = False
 
     def grad_norm(self) -> torch.Tensor | None:
         """Global gradient norm as a 0-d device tensor (before clipping, which it applies when

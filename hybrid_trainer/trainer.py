@@ -46,7 +46,7 @@ from .memory_plan import memory_in_use, refine_plan, setup_memory
 from .metrics import MetricsLogger, plot_run
 from .phases import Phase, PhaseController
 from .predict_phase import PredictPhase
-from .run_report import RunStatistics, StepResult, format_summary, run_statistics
+from .run_report import PendingStepResult, RunStatistics, StepResult, format_summary, run_statistics
 from .setup_checks import (check_arguments, check_ddp_trains_only_its_module, check_dense, check_predictable,
                            check_scheduler, check_train_mode)
 from .state_registry import in_current_layout, rng_of_rank, trainer_registry
@@ -184,6 +184,7 @@ class HybridTrainer:
         check_train_mode(self.optimizer)
         disabled_before = self.controller.disabled_reason
         if self.trained.changed():
+            self._settle()  # judged with the tensors they trained
             trained_set.follow_trainable_change(self)
         phase = self.controller.phase
         try:
@@ -201,6 +202,8 @@ class HybridTrainer:
                 self.events.interrupted(self.step_count, self.predict_phase.abort(), error)
             raise
         result.wall_time_s = time.perf_counter() - started
+        if self.guard.deferred is not None and self.guard.deferred.due:
+            self._settle()  # the guard's read of the last read_every steps
         self.stats.steps_by_phase[phase.value] += 1
         self.stats.time_by_phase_s[phase.value] += result.wall_time_s
         self.step_count += 1
@@ -221,7 +224,8 @@ class HybridTrainer:
             self._emergency_error = None
             self.vram_guard.check(result.step)
             result.emergency_checkpoint_error = self._emergency_error
-        self._log(result)
+        if not isinstance(result, PendingStepResult):  # those are logged when they settle
+            self._log(result)
         # Events are rare: a few compares tell that none happened. Hooks run last, so one that
         # raises finds the step done and counted.
         ctl, events = self.controller, self.events
@@ -230,6 +234,20 @@ class HybridTrainer:
         if events.pending or events.step_end:
             events.dispatch(self, result)
         return result
+
+    def _settle(self) -> None:
+        """Judge the steps whose checks waited (:mod:`~hybrid_trainer.deferred_checks`): one read
+        of their values; then write their metrics records and emit the events of refused ones."""
+        deferred = self.guard.deferred
+        if deferred is None or not deferred.pending:
+            return
+        settled = deferred.settle(self.guard)
+        for result in settled:
+            if result.skipped:
+                self.events.step_refused(self, result)
+            self._log(result)
+        if any(result.rolled_back for result in settled):
+            self.controller.force_full()
 
     def _confidence(self, horizon: int) -> float:
         return self.forecaster.confidence(horizon, self.predictor)
@@ -257,6 +275,11 @@ class HybridTrainer:
         record = self.controller.prediction_enabled and phase is not Phase.WARMUP
         started = worth.clock("core") if record else time.perf_counter()
         worth.machinery_s = 0.0  # time spent on prediction machinery during this step
+        # With prediction off the guard may read this step's values later (deferred_checks).
+        deferring = (guard.deferred is not None and not self.controller.prediction_enabled and guard.defers()
+                     and self.in_backward is None and self.nowcast is None and self.weight_average is None)
+        if not deferring:
+            self._settle()  # steps whose checks waited are judged before this one is
         # Every step ends by setting the gradients to None, so only gradients left by someone else
         # (the caller's own backward, a step that raised) need clearing; a zero_grad with nothing
         # to clear still costs 30-45 µs per step (its profiler scope) on the MLP benchmarks.
@@ -294,6 +317,8 @@ class HybridTrainer:
             norm = torch.tensor(in_backward_norm)
         else:
             norm = guard.grad_norm()
+        if deferring:
+            return self._deferred_step(loss_sum, norm, phase, lr, lrs)
         # The guard's read waits for the device; with a skip on the device it can wait while the
         # optimizer step runs (see StepGuard.steps_on_device) instead of before it is launched.
         overlapped = guard.steps_on_device(record)
@@ -363,6 +388,22 @@ class HybridTrainer:
                           divergence=report.severity.name, grad_norm=grad_norm, lr=lr, lrs=lrs,
                           rolled_back=rolled_back)
 
+    def _deferred_step(self, loss: torch.Tensor, norm: torch.Tensor | None, phase: Phase, lr: float,
+                       lrs: tuple[float, ...]) -> PendingStepResult:
+        """The rest of a real step whose checks wait for the guard's next read: the update is
+        applied unless the loss or gradients are non-finite (decided on the device with a fused
+        optimizer), nothing is read back."""
+        result = PendingStepResult(step=self.step_count, phase=phase.value, loss=None, backward_done=True,
+                                   divergence="PENDING", lr=lr, lrs=lrs)
+        self.guard.deferred.launch(self.guard, loss, norm, result)
+        self.stats.optimizer_steps += 1  # taken back at the read if the step was refused
+        if self.scheduler is not None:
+            self.scheduler.step()
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
+        return result
+
     def _verification_loss(self, batch: Any) -> tuple[float, int]:
         """Mean loss of ``batch`` without gradients, averaged over ranks (the verdict must be the
         same on every rank), and the forward passes it took."""
@@ -400,6 +441,7 @@ class HybridTrainer:
 
     def statistics(self) -> dict[str, Any]:
         """Counters of the run so far (plain Python types; :func:`~hybrid_trainer.run_report.run_statistics`)."""
+        self._settle()  # a refusal still waiting to be read would be missing from the counts
         return run_statistics(self)
 
     def summary(self) -> str:
@@ -411,6 +453,7 @@ class HybridTrainer:
         """Everything needed to resume exactly: the state of every part registered in
         :func:`~hybrid_trainer.state_registry.trainer_registry` (model, optimizer, scheduler, predictor, snapshots, dynamics model,
         histories, controller, monitors, counters, RNG), one key each."""
+        self._settle()  # the saved state is a judged one (deferred_checks)
         state = self.registry.state_dict()
         state["memory_plan"] = {"techniques": list(self.memory_plan.techniques)}  # what resume must plan alike
         return state
@@ -424,6 +467,8 @@ class HybridTrainer:
                              f"trainer planned {self.memory_plan.techniques}; set optimizer_state_bits, "
                              f"step_in_backward and weight_dtype to the saved run's to resume it")
         self.registry.load_state_dict(state)
+        if self.guard.deferred is not None:
+            self.guard.deferred.discard()  # the steps waiting led to the state just replaced
         checkpoint.restore_rng(rng_of_rank(state, self.ranks))
 
     def save(self, path) -> None:
@@ -453,6 +498,7 @@ class HybridTrainer:
     def close(self) -> None:
         """Flush and close the files the trainer writes (JSONL metrics, TensorBoard event file);
         idempotent. Call it when training is done (or use ``with HybridTrainer(...) as trainer``)."""
+        self._settle()  # the last steps' checks and metrics records
         if self.metrics is not None:
             self.metrics.close()
         if self.tensorboard is not None:

@@ -458,3 +458,32 @@ def test_a_vanished_gradient_history_is_no_reference_for_an_explosion():
     assert not report.critical, report.reasons
     # With a healthy history the same factor is an explosion.
     assert fed_monitor([1.0] * 30, [0.01] * 30).check(1.0, 1.0).critical
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(history=st.lists(st.tuples(st.floats(0.01, 100), st.floats(1e-6, 100)), min_size=1, max_size=70),
+       loss=st.one_of(st.floats(-1e3, 1e4), st.sampled_from([math.nan, math.inf, -math.inf])),
+       grad_norm=st.one_of(st.none(), st.floats(0, 1e5), st.sampled_from([math.nan, math.inf])))
+def test_quiet_limits_never_pass_what_check_would_flag(history, loss, grad_norm):
+    """Inside quiet_limits, the per-value check finds nothing but (at most) the oscillation warning,
+    which blocks of steps look at once; outside them, something or nothing (they are exact bounds
+    of the jump, z-score and gradient rules, so most values outside are flagged)."""
+    monitor = DivergenceMonitor(window=20, min_history=5)
+    for value, norm in history:
+        monitor.observe(value, norm)
+    limits = monitor.quiet_limits()
+    if limits.quiet(loss, grad_norm):
+        report = monitor.check(loss, grad_norm, count=False)
+        assert set(report.kinds) <= {"oscillation"}, report.reasons
+
+
+def test_quiet_limits_need_a_history_and_bound_the_rules_exactly():
+    monitor = DivergenceMonitor(window=10, min_history=3, loss_z_warning=3.0, grad_explosion_factor=10.0)
+    assert monitor.quiet_limits() is None
+    for value in (1.0, 1.1, 0.9, 1.0, 1.05):
+        monitor.observe(value, 2.0)
+    limits = monitor.quiet_limits()
+    assert limits.grad_ceiling == pytest.approx(20.0)
+    assert monitor.check(limits.loss_ceiling, 2.0, count=False).kinds == []
+    assert "loss_z" in monitor.check(limits.loss_ceiling * 1.001, 2.0, count=False).kinds
+    assert not limits.quiet(float("-inf"), 2.0) and not limits.quiet(1.0, float("inf"))

@@ -21,13 +21,15 @@ def test_quick_run_writes_every_arm_and_recording_with_batched_reductions_costs_
     result = json.loads((tmp_path / "host_ops.json").read_text())
     arms = result["tasks"]["digits"]
     assert list(arms) == list(host_ops.ARMS)
-    plain, no_predict, per_tensor, batched = (arms[a]["median"] for a in host_ops.ARMS)
+    plain, no_predict, per_tensor, batched, fused_plain, fused_deferred = (arms[a]["median"] for a in host_ops.ARMS)
     assert plain < no_predict < batched < per_tensor
     assert arms[host_ops.ARMS[2]]["phases"].get("FULL", 0) >= 1  # counted real steps that record
     assert "| HybridTrainer, batched reductions |" in (tmp_path / "host_ops.md").read_text()
     # The plain loop's only reads are the optimizer's own (its step counters); the trainer's are named.
     assert set(arms[host_ops.ARMS[0]]["read_backs_by_caller"]) <= {"optimizer"}
     assert arms[host_ops.ARMS[1]]["read_backs_median"] >= arms[host_ops.ARMS[0]]["read_backs_median"]
+    # read_every=16 with a fused optimizer: a step reads no more than the fused plain loop does.
+    assert arms[host_ops.ARMS[5]]["read_backs_median"] == arms[host_ops.ARMS[4]]["read_backs_median"]
 
 
 def test_read_backs_are_counted_for_item_and_tolist():

@@ -1,0 +1,168 @@
+"""The guard's checks read once every ``read_every`` steps instead of after every step.
+
+Why: the per-step guard reads the loss and the gradient norm back from the device on every
+step. On a GPU each read waits for all queued work, which the plain loop never does (nanoGPT
+reads its loss once per log interval); on a CPU the reads cost nothing, but judging each step
+in Python (the divergence monitor, ~20-40 µs) is a visible share of a millisecond step. With
+``HybridConfig(read_every=N)``, N > 1, and prediction off, a real step instead:
+
+* keeps its loss and gradient norm on the device, queued;
+* never lets a non-finite loss or gradient reach the weights: an optimizer that can skip its
+  update on the device (torch's ``fused=True`` Adam, AdamW and SGD, through the ``found_inf``
+  a GradScaler uses) is told to, with no read; any other optimizer costs this step one read of
+  its two values (free on a CPU; on a GPU the one read-back left) and the trainer skips it. The
+  module buffers a refused forward changed are put back the same way (on the device by a
+  ``where``, or from the host).
+
+Every N steps (and before anything saves, loads or reports the run's state) the guard reads the
+queued values at once and the monitor judges them in order:
+
+* a non-finite step was skipped where it ran; it is counted (and escalates as a per-step
+  refusal does);
+* a spike (a finite loss or gradient norm the monitor calls critical) sends the weights,
+  optimizer state and buffers back to the last good state, as a per-step check would have done
+  at that step; the steps queued after it trained on from the spiked weights and are discarded
+  with it (``skipped`` and ``rolled_back``);
+* after a clean block the good state is snapshot when due (``good_state_every``), so a snapshot
+  never holds a step that was not judged.
+
+Judging a block: each value is compared with limits computed from the monitor's window as it
+stood at the start of the block (:meth:`DivergenceMonitor.quiet_limits`), and only a value
+beyond them gets the monitor's full per-value check. Inside a block the limits do not follow the
+steps already accepted in it, so a slowly falling loss is judged against a slightly higher
+level than a per-step check would use; the oscillation warning is looked at once per block.
+
+What the user sees: a step's :class:`~hybrid_trainer.run_report.PendingStepResult` reads its
+loss and gradient norm when first accessed (a read the user asks for, as ``loss.item()`` in a
+plain loop); its ``skipped``, ``rolled_back`` and ``divergence`` settle at the next read
+(``divergence`` is ``"PENDING"`` until then), when the refused-update and rollback events are
+emitted and its metrics record is written. A scheduler steps on every step, refused ones
+included (as under a GradScaler).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from .run_report import PendingStepResult
+
+
+class DeferredChecks:
+    """The queue of steps whose checks wait for the next read, and the block judgment.
+
+    Args:
+        every: steps per read (``HybridConfig.read_every`` > 1).
+    """
+
+    def __init__(self, every: int):
+        self.every = every
+        # (result, the step's (loss, norm) as a 2-value device tensor or read pair, whether it had gradients)
+        self.pending: list[tuple[PendingStepResult, Any, bool]] = []
+        self._found: torch.Tensor | None = None  # the device-side skip flag, reused every step
+        self._one: torch.Tensor | None = None
+
+    @property
+    def due(self) -> bool:
+        return len(self.pending) >= self.every
+
+    def discard(self) -> None:
+        """Forget the queued steps (a checkpoint replaces the state they led to)."""
+        self.pending.clear()
+
+    def launch(self, guard: Any, loss: torch.Tensor, norm: torch.Tensor | None, result: PendingStepResult) -> None:
+        """Apply this step's update unless its loss or norm is non-finite, without judging it yet.
+
+        ``loss``: the step's 0-d loss, ``norm``: its 0-d global gradient norm (None without
+        gradients), both on the device."""
+        values = torch.stack([loss.float(), torch.zeros_like(loss, dtype=torch.float32) if norm is None
+                              else norm.to(loss.device, torch.float32)])
+        optimizer = guard.optimizer
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            if self._found is None or self._found.device != values.device:
+                self._found = torch.zeros((), dtype=torch.float32, device=values.device)
+                self._one = torch.ones((), dtype=torch.float32, device=values.device)
+            found = self._found
+            found.zero_()
+            # GradScaler's own check: one op sets found to 1 if a value is not finite (the
+            # multiplication by 1 leaves the values as they are).
+            torch._amp_foreach_non_finite_check_and_unscale_([values], found, self._one)
+            optimizer.found_inf = found
+            try:
+                optimizer.step()
+            finally:
+                del optimizer.found_inf
+            guard.buffers_before.restore_where(found)
+            result.values_on_device(values, has_norm=norm is not None)
+            self.pending.append((result, values, norm is not None))
+            return
+        loss_value, norm_value = values.tolist()  # the read an optimizer without a device-side skip costs
+        if math.isfinite(loss_value) and math.isfinite(norm_value):
+            optimizer.step()
+        else:
+            guard.buffers_before.restore()
+        result.values_read(loss_value, None if norm is None else norm_value)
+        self.pending.append((result, (loss_value, norm_value), norm is not None))
+
+    def settle(self, guard: Any) -> list[PendingStepResult]:
+        """Read the queued values and judge them in order (module docstring); returns every
+        queued result, settled, oldest first."""
+        if not self.pending:
+            return []
+        pending, self.pending = self.pending, []
+        on_device = [v for _, v, _ in pending if isinstance(v, torch.Tensor)]
+        read = iter(torch.stack(on_device).tolist()) if on_device else iter(())  # the block's one read
+        values = []
+        for result, value, has_norm in pending:
+            loss_value, norm_value = next(read) if isinstance(value, torch.Tensor) else value
+            norm_value = norm_value if has_norm and math.isfinite(loss_value) else None
+            result.values_read(loss_value, norm_value)
+            values.append((loss_value, norm_value))
+
+        monitor, stats = guard.monitor, guard.stats
+        limits = monitor.quiet_limits()
+        for index, ((result, _, _), (loss_value, norm_value)) in enumerate(zip(pending, values)):
+            if limits is not None and limits.quiet(loss_value, norm_value):
+                monitor.observe_quiet(loss_value, norm_value)
+                result.divergence = "OK"
+                continue
+            report = guard.check(loss_value, norm_value)
+            if not report.critical:
+                monitor.observe(loss_value, norm_value)
+                result.divergence = report.severity.name
+                continue
+            result.skipped = True
+            result.divergence = "; ".join(report.reasons) or report.severity.name
+            stats.skipped_steps += 1
+            stats.optimizer_steps -= 1
+            non_finite = not math.isfinite(loss_value) or (norm_value is not None and not math.isfinite(norm_value))
+            if non_finite:  # skipped where it ran, its buffers put back there
+                stalled = monitor.record_refusal()
+                bad = guard.non_finite_state()
+                if not (bad or stalled):
+                    continue
+                why = result.divergence
+                reason = f"{monitor.refused_in_a_row} steps in a row refused (last: {why})" if stalled else \
+                    f"step refused ({why})"
+                guard.escalate(reason, bad, result.step)  # restores the good state once, or raises
+            else:
+                guard.good_state.restore(guard.optimizer)  # weights, optimizer state and buffers
+                stats.divergence_rollbacks += 1
+                monitor.rewind_window()
+                if monitor.record_refusal():
+                    guard.escalate(f"{monitor.refused_in_a_row} steps in a row refused (last: {result.divergence})",
+                                   [], result.step)
+            result.rolled_back = True
+            for later, _, _ in pending[index + 1:]:  # trained on from the weights just abandoned
+                later.skipped = later.rolled_back = True
+                later.divergence = f"discarded: trained on from step {result.step}, which was refused"
+                stats.skipped_steps += 1
+                stats.optimizer_steps -= 1
+            break
+        else:
+            monitor.check_oscillation_once()
+            guard.snapshot_if_due(pending[-1][0].step)
+        for result, _, _ in pending:
+            result.settled = True
+        return [result for result, _, _ in pending]

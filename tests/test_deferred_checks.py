@@ -1,0 +1,260 @@
+"""HybridConfig(read_every=N): the guard reads a block of steps at once (hybrid_trainer.deferred_checks).
+
+What must hold: the weights, buffers and optimizer state are those of the per-step guard whenever
+nothing is refused or only non-finite steps are (they are skipped where they run, so no NaN ever
+reaches a weight); a spike found at the read goes back to the last good state and discards the
+steps after it; a deferred step with a fused optimizer reads nothing back; saving settles the
+block, so resume stays bit-exact; metrics records and events come at the read, in step order.
+"""
+import json
+import math
+
+import pytest
+import torch
+
+from bench.host_ops import HostOps
+from hybrid_trainer import HybridConfig, HybridTrainer
+from hybrid_trainer.run_report import PendingStepResult
+from _resume import assert_same_state
+
+pytestmark = pytest.mark.usefixtures("eager_backend")
+
+
+def _loss(model, batch):
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def _make(read_every, fused=False, batch_norm=False, seed=0, **config):
+    torch.manual_seed(seed)
+    layers = [torch.nn.Linear(12, 24)]
+    if batch_norm:
+        layers.append(torch.nn.BatchNorm1d(24))
+    layers += [torch.nn.ReLU(), torch.nn.Linear(24, 3)]
+    model = torch.nn.Sequential(*layers)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+    config = dict(dict(predict=False, good_state_every=6), **config)
+    return model, HybridTrainer(model, optimizer, _loss, HybridConfig(read_every=read_every, **config))
+
+
+def _batches(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(16, 12, generator=g), torch.randint(0, 3, (16,), generator=g)) for _ in range(n)]
+
+
+def _with_nan_input(batch):
+    x = batch[0].clone()
+    x[0, 0] = float("nan")
+    return x, batch[1]
+
+
+def _state(model, trainer):
+    return {"model": {k: v.clone() for k, v in model.state_dict().items()},
+            "optimizer": trainer.optimizer.state_dict()}
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_clean_run_matches_the_per_step_guard(fused):
+    batches = _batches(40)
+    results = {}
+    states = {}
+    for read_every in (1, 8):
+        model, trainer = _make(read_every, fused=fused)
+        results[read_every] = [trainer.step(b) for b in batches]
+        trainer.close()
+        states[read_every] = _state(model, trainer)
+    assert_same_state(states[8], states[1])
+    assert any(isinstance(r, PendingStepResult) for r in results[8])
+    assert [r.loss for r in results[8]] == [r.loss for r in results[1]]
+    assert [r.grad_norm for r in results[8]] == pytest.approx([r.grad_norm for r in results[1]], rel=1e-6)
+    assert all(r.divergence == "OK" and r.settled for r in results[8] if isinstance(r, PendingStepResult))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_non_finite_steps_are_skipped_exactly_as_per_step(fused):
+    """A NaN batch (through batch-norm statistics too) and a NaN gradient with a finite loss: skipped
+    where they run, the run continues bit for bit as under the per-step guard."""
+    batches = _batches(40)
+    batches[13] = _with_nan_input(batches[13])
+    states, stats = {}, {}
+    for read_every in (1, 8):
+        model, trainer = _make(read_every, fused=fused, batch_norm=True)
+        hook = model[0].weight.register_hook(lambda g: g * float("nan") if hook_step[0] == 21 else g)
+        hook_step = [0]
+        for i, b in enumerate(batches):
+            hook_step[0] = i
+            trainer.step(b)
+            assert all(torch.isfinite(p).all() for p in model.parameters()), f"NaN reached a weight at step {i}"
+        hook.remove()
+        stats[read_every] = trainer.statistics()
+        states[read_every] = _state(model, trainer)
+    assert_same_state(states[8], states[1])
+    assert stats[8]["skipped_steps"] == stats[1]["skipped_steps"] == 2
+
+
+def _steps_until_a_read(trainer, batches):
+    """Steps over ``batches`` until a step ends with nothing waiting (the read came); returns how many."""
+    for n, b in enumerate(batches, 1):
+        trainer.step(b)
+        if trainer.guard.defers() and not trainer.guard.deferred.pending:
+            return n
+    raise AssertionError("no read came")
+
+
+def test_a_spike_goes_back_to_the_good_state_and_discards_the_steps_after_it():
+    batches = _batches(60)
+    model, trainer = _make(8, good_state_every=6)
+    done = _steps_until_a_read(trainer, batches)
+    done += _steps_until_a_read(trainer, batches[done:])  # a second block, so the good state is a read's
+    good_step = trainer.good_state.step
+    assert good_step == done - 1
+    reference, again = _make(8, good_state_every=6)
+    for b in batches[:done]:
+        again.step(b)
+    again.close()
+    spike_at = done + 2
+    batches[spike_at] = (batches[spike_at][0] * 1e4, batches[spike_at][1])  # far above the window
+    results = [trainer.step(b) for b in batches[done:done + 8]]  # the 8th brings the read
+    assert all(isinstance(r, PendingStepResult) and r.settled for r in results)
+    assert not any(r.skipped for r in results[:2])
+    assert results[2].skipped and results[2].rolled_back and "loss" in results[2].divergence
+    assert all(r.skipped and r.rolled_back and r.divergence.startswith("discarded") for r in results[3:])
+    assert trainer.stats.divergence_rollbacks == 1 and trainer.stats.skipped_steps == 6
+    for name, tensor in reference.state_dict().items():  # the weights as at the good state
+        assert torch.equal(model.state_dict()[name], tensor), name
+    assert_same_state(trainer.optimizer.state_dict(), again.optimizer.state_dict())
+
+
+def _right_after_a_read(fused):
+    """A read_every=16 trainer that has just read, its batches, and how many it used."""
+    batches = _batches(48)
+    _, trainer = _make(16, fused=fused)
+    return trainer, batches, _steps_until_a_read(trainer, batches)
+
+
+def test_a_deferred_step_with_a_fused_optimizer_reads_nothing_back():
+    trainer, batches, done = _right_after_a_read(fused=True)
+    counter = HostOps()
+    with counter:
+        for b in batches[done:done + 15]:  # no read due among them
+            trainer.step(b)
+    assert dict(counter.read_backs) == {}, counter.read_backs
+    with counter:
+        trainer.step(batches[done + 15])  # the 16th: the block's one read
+    # The block's one read, and the good state's finiteness check when a snapshot is due.
+    assert counter.read_backs["deferred_checks.py:settle"] == 1
+    assert set(counter.read_backs) <= {"deferred_checks.py:settle", "resume_check.py:non_finite_names"}
+
+
+def test_without_a_device_side_skip_a_step_reads_its_two_values_once():
+    trainer, batches, done = _right_after_a_read(fused=False)
+    counter = HostOps()
+    with counter:
+        trainer.step(batches[done])
+    reads = {who: n for who, n in counter.read_backs.items() if who != "optimizer"}  # its step counters, as a plain loop's
+    assert reads == {"deferred_checks.py:launch": 1}
+
+
+def test_resume_with_steps_waiting_is_bit_exact(tmp_path):
+    batches = _batches(40)
+    _, reference = _make(8, fused=True)
+    for b in batches[:21]:
+        reference.step(b)
+    path = tmp_path / "run.pt"
+    assert reference.guard.deferred.pending
+    reference.save(path)  # saving judges the waiting steps first
+    assert not reference.guard.deferred.pending
+    model, resumed = _make(8, fused=True, seed=7)
+    resumed.load(path)
+    assert_same_state(_without_timings(resumed.state_dict()), _without_timings(reference.state_dict()))
+    for b in batches[21:]:
+        reference.step(b)
+        resumed.step(b)
+    assert_same_state(_without_timings(resumed.state_dict()), _without_timings(reference.state_dict()))
+
+
+def _without_timings(state):
+    state["stats"] = {k: v for k, v in state["stats"].items() if k != "time_by_phase_s"}
+    return state
+
+
+def test_metrics_and_events_come_at_the_read_in_step_order(tmp_path):
+    batches = _batches(20)
+    batches[10] = _with_nan_input(batches[10])
+    path = tmp_path / "metrics.jsonl"
+    refused = []
+
+    class Recorder:
+        def on_update_refused(self, trainer, event):
+            refused.append(event.step)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.ReLU(), torch.nn.Linear(24, 3))
+    trainer = HybridTrainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True), _loss,
+                            HybridConfig(predict=False, read_every=4, metrics_path=str(path)), callbacks=[Recorder()])
+    results = [trainer.step(b) for b in batches[:14]]
+    assert refused == [10]
+    trainer.close()  # settles and writes the last two
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(14))
+    assert records[10]["skipped"] and records[10]["loss"] is None
+    assert all(math.isfinite(r["loss"]) for i, r in enumerate(records) if i != 10)
+    assert results[10].skipped and results[10].loss is None
+
+
+def test_the_loss_of_a_waiting_step_is_read_when_asked():
+    batches = _batches(12)
+    model, trainer = _make(16, fused=True)
+    results = [trainer.step(b) for b in batches]
+    waiting = results[-1]
+    assert isinstance(waiting, PendingStepResult) and not waiting.settled and waiting.divergence == "PENDING"
+    torch.manual_seed(0)
+    assert waiting.loss == pytest.approx(_loss(model, batches[-1]).item(), rel=0.2)  # weights moved one step since
+    assert waiting.grad_norm > 0
+
+
+def test_prediction_on_keeps_the_per_step_guard():
+    _, trainer = _make(8, predict=True)
+    results = [trainer.step(b) for b in _batches(6)]
+    assert trainer.controller.prediction_enabled
+    assert not any(isinstance(r, PendingStepResult) for r in results)
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True])
+def test_read_every_is_checked(value):
+    with pytest.raises(ValueError, match="read_every"):
+        HybridConfig(read_every=value).validate()
+
+
+def test_by_default_a_cpu_reads_every_step():
+    _, trainer = _make(None)
+    assert trainer.guard.deferred is None
+    assert not any(isinstance(trainer.step(b), PendingStepResult) for b in _batches(5))
+
+
+def test_a_refused_step_that_ends_its_block_is_reported_once_and_as_what_it_was():
+    batches = _batches(20)
+    refused = []
+
+    class Recorder:
+        def on_update_refused(self, trainer, event):
+            refused.append(event.step)
+
+        def on_rollback(self, trainer, event):
+            rollbacks.append((event.kind, event.step))
+
+    rollbacks = []
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.ReLU(), torch.nn.Linear(24, 3))
+    trainer = HybridTrainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True), _loss,
+                            HybridConfig(predict=False, read_every=4), callbacks=[Recorder()])
+    done = _steps_until_a_read(trainer, batches)
+    last_of_block = done + 3
+    batches[last_of_block] = _with_nan_input(batches[last_of_block])
+    batches[last_of_block + 4] = (batches[last_of_block + 4][0] * 1e4, batches[last_of_block + 4][1])  # a spike
+    results = [trainer.step(b) for b in batches[done:last_of_block + 5]]
+    assert results[-5].settled and results[-5].skipped
+    assert results[-1].settled and results[-1].rolled_back
+    assert refused == [last_of_block, last_of_block + 4]
+    assert rollbacks == [("divergence", last_of_block + 4)]
+
