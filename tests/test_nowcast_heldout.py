@@ -110,3 +110,26 @@ def test_missing_runs_lists_what_the_protocol_lacks():
     del results["tasks"]["mlp"]["seeds"]["2"]["sf+nc"]
     del results["tasks"]["cnn"]["seeds"]["1"]["sf"], results["tasks"]["cnn"]["seeds"]["2"]["sf"]
     assert bench.missing_runs(results) == {"mlp": {"sf+nc": [2]}, "cnn": {"sf": [1, 2]}}
+
+
+def _run(losses):
+    curve = [dict(step=100 * (i + 1), loss=x, train_s=float(i + 1)) for i, x in enumerate(losses)]
+    return dict(curve=curve, final_loss=losses[-1])
+
+
+def test_verdict_reads_goal_and_the_nowcasters_share_over_its_own_loop():
+    cosine = _run([1.0, 0.9, 0.8, 0.7, 0.6])  # T75 = 0.7 at step 400, T100 = 0.6 at step 500
+    seeds = {str(s): {"cosine": cosine, "cosine+nc:trainer": cosine,
+                      "sf": _run([0.9, 0.7, 0.6, 0.5, 0.5]),  # the optimizer alone: 2.00× / 1.67×
+                      "sf+nc": _run([0.7, 0.6, 0.5, 0.5, 0.5])}  # 4.00× / 2.50× over cosine
+             for s in range(3)}
+    # over sf (its T75 and T100: 0.5, first at step 400) the nowcaster's own share is 400 / 300 steps
+    lines = bench.verdict({"tasks": {"mlp": {"seeds": seeds}}})
+    (trainer,) = [x for x in lines if x.startswith("| mlp | trainer")]
+    (best,) = [x for x in lines if x.startswith("| mlp | best")]
+    assert trainer == ("| mlp | trainer: `cosine+nc:trainer` | 1.00× | 1.00× | 1.00× | 1.00× | no | yes "
+                       "| 1.00× [1.00–1.00] / 1.00× [1.00–1.00] |")
+    assert best.startswith("| mlp | best: `sf+nc` | 4.00× | 4.00× | 2.50× | 2.50× | yes | no |")
+    assert best.endswith("| 1.33× [1.33–1.33] / 1.33× [1.33–1.33] |")
+    assert any("goal met (1 of 1 tasks)" in x for x in lines if "best nowcast arm" in x)
+    assert any("stop rule **applies**" in x for x in lines if "the trainer's arm" in x)
