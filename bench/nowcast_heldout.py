@@ -512,7 +512,13 @@ def verdict(results: dict[str, Any]) -> list[str]:
         if not arms:
             continue
         score = {a: worst_case(arm_runs(entry, a), 0.75)[0] for a in arms}
-        best = max(arms, key=lambda a: (score[a], worst_case(arm_runs(entry, a), 1.0)[0]))
+        def rank(a: str) -> tuple[float, float, int, float]:
+            # ties (every arm missed a target in some seed: 0x) go to the arm that reached T75 in the
+            # most seeds, then to the fastest there
+            reach, sps, _ = speedups(arm_runs(entry, a), 0.75)
+            return score[a], worst_case(arm_runs(entry, a), 1.0)[0], len(sps), _gmean(sps) if sps else 0.0
+
+        best = max(arms, key=rank)
         for role, arm in (("trainer", TRAINER_ARM), ("best", best)):
             if arm not in arms:
                 continue

@@ -133,3 +133,14 @@ def test_verdict_reads_goal_and_the_nowcasters_share_over_its_own_loop():
     assert best.endswith("| 1.33× [1.33–1.33] / 1.33× [1.33–1.33] |")
     assert any("goal met (1 of 1 tasks)" in x for x in lines if "best nowcast arm" in x)
     assert any("stop rule **applies**" in x for x in lines if "the trainer's arm" in x)
+
+
+def test_verdict_breaks_ties_between_arms_that_missed_by_seeds_reached():
+    cosine, never = _run([1.0, 0.9, 0.8, 0.7, 0.6]), _run([1.0] * 5)
+    fast = _run([0.7, 0.6, 0.6, 0.6, 0.6])
+    seeds = {"0": {"cosine": cosine, "cosine+nc:trainer": never, "cosine+nc:reset": fast},
+             "1": {"cosine": cosine, "cosine+nc:trainer": fast, "cosine+nc:reset": fast},
+             "2": {"cosine": cosine, "cosine+nc:trainer": never, "cosine+nc:reset": never}}
+    lines = bench.verdict({"tasks": {"mlp": {"seeds": seeds}}})
+    (best,) = [x for x in lines if x.startswith("| mlp | best")]
+    assert best.startswith("| mlp | best: `cosine+nc:reset` | 0.00× |")  # reached T75 in 2 seeds against 1
