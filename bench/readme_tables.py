@@ -199,10 +199,11 @@ def _fm16_rows() -> list[tuple[str, str, str]]:
     ok = [a for a, r in data["runs"].items() if "+nc" in a
           and all(s is not None and s <= n for s, n in zip((reach(r["curve"], t)[0] for t in data["targets"]), nino))]
     t1, t2 = (f"{100 * t:.1f}%" for t in data["targets"])
-    cells = ", ".join(f"`{a}` {steps(r)}" for a, r in rows.items())
+    cells = ", ".join(f"`{a}` {steps(r)} (final {100 * r['final_acc']:.2f}%)" for a, r in rows.items())
     return [("Learned nowcaster on NiNo's own FM-16 protocol (Fashion-MNIST CNN, 10,000 steps, one seed)",
              f"steps to {t1} / {t2} test accuracy: {cells}; NiNo's checkpoint every 1,000 steps, run with the authors' "
-             f"code on this machine: {nino[0]:,} / {nino[1]:,} — "
+             f"code on this machine: {nino[0]:,} / {nino[1]:,} "
+             f"(final {100 * NINO_REFERENCE['the same + NiNo every 1,000 steps']['final_acc']:.2f}%) — "
              + (f"**at least NiNo's figures**: {', '.join(f'`{a}`' for a in ok)}" if ok else "**no arm reaches NiNo's figures**"),
              " ".join(f"`{c}`" for c in data.get("commands") or [data["command"]]))]
 

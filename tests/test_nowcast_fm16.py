@@ -53,15 +53,15 @@ def test_readme_row_reads_steps_and_verdict_from_the_file(tmp_path, monkeypatch)
 
     fast, slow = _curve([0.5] * 5 + [0.886] * 5 + [0.9]), _curve([0.5] * 30 + [0.886] * 3 + [0.9])
     data = dict(command="python -m bench.nowcast_fm16 --arms adam+nc", targets=list(fm16.TARGETS),
-                runs={"adam": dict(curve=slow), "adam+nc": dict(curve=fast)},
-                tuning={"0.01": dict(curve=slow, final_loss=0.3)}, cosine_lr=0.01)
+                runs={"adam": dict(curve=slow, final_acc=0.89), "adam+nc": dict(curve=fast, final_acc=0.9)},
+                tuning={"0.01": dict(curve=slow, final_loss=0.3, final_acc=0.89)}, cosine_lr=0.01)
     (tmp_path / "nowcast_fm16.json").write_text(json.dumps(data))
     monkeypatch.setattr(readme_tables, "RESULTS", tmp_path)
     ((_, measured, command),) = readme_tables._fm16_rows()
-    assert "`adam+nc` 1,000 / 2,000" in measured and "`adam` 6,000 / 6,600" in measured
-    assert "`cosine` 6,000 / 6,600" in measured
+    assert "`adam+nc` 1,000 / 2,000 (final 90.00%)" in measured and "`adam` 6,000 / 6,600 (final 89.00%)" in measured
+    assert "`cosine` 6,000 / 6,600" in measured and "3,600 / 4,400 (final 89.28%)" in measured
     assert "**at least NiNo's figures**: `adam+nc`" in measured
     assert command == "`python -m bench.nowcast_fm16 --arms adam+nc`"
-    data["runs"]["adam+nc"] = dict(curve=slow)
+    data["runs"]["adam+nc"] = dict(curve=slow, final_acc=0.89)
     (tmp_path / "nowcast_fm16.json").write_text(json.dumps(data))
     assert "**no arm reaches NiNo's figures**" in readme_tables._fm16_rows()[0][1]
