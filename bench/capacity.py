@@ -1,9 +1,11 @@
-"""How large a model trains in a given memory: bytes of training state per parameter, loss parity
-and step time of each memory technique, the planner's choices, and a ≥ 4B-parameter run.
+"""How large a model trains in a given memory: bytes of training state per parameter, step time
+of each memory technique, the planner's choices, and a ≥ 4B-parameter run (loss parity:
+``bench.capacity_parity``).
 
-    python -m bench.capacity                 # sweep + planner + loss parity (≈ 20 min on 2 cores)
-    python -m bench.capacity --part sweep    # one part: sweep | planner | parity
-    python -m bench.capacity --big           # the big run (≈ 25 min, ~13 GiB; run under flock /tmp/cpu.lock)
+    python -m bench.capacity                       # speed + sweep + planner (≈ 15 min on 2 cores)
+    python -m bench.capacity --part sweep          # one part: speed | sweep | planner | eager-sweep
+    python -m bench.capacity --part eager-sweep    # 25M/125M/350M GPTs, low-bit update eager (≈ 14 min, one process peaks at 5.7 GiB)
+    python -m bench.capacity --big                 # the big run (≈ 25 min, ~13 GiB; run under flock /tmp/cpu.lock)
 
 Parts (results in docs/results/capacity.{json,md,png}; the big run in capacity_big.{json,md}):
 
@@ -15,10 +17,11 @@ Parts (results in docs/results/capacity.{json,md,png}; the big run in capacity_b
   sizes); the planner's predicted peak is recorded beside each measurement. The subprocesses run
   with ``MALLOC_MMAP_THRESHOLD_=65536`` so that glibc returns freed buffers at once and the RSS
   follows the live tensors (otherwise its heap keeps freed chunks and the peak depends on history).
+* **eager-sweep**: fp32 AdamW and the smallest configuration at 25M, 127M and 354M parameters
+  with the low-bit update eager at every size; the peak of the construction and of the training
+  steps read separately, and the steps' peak less the measured activations (training state alone).
 * **planner**: the largest sweep model under ``memory_budget`` set to several budgets: what it
   chose, predicted and measured peak.
-* **parity**: final validation loss of each configuration on the char-LM and Fashion-MNIST tasks
-  (``bench.tasks``, 3 seeds, the tasks' step counts) against fp32 AdamW, and the median step time.
 * **big** (``--big``): a Llama-shaped model of ≥ 4B parameters built in bf16, the planner choosing
   under ``--budget`` (default 14.5GiB), trained for ``--steps`` steps of 1 × 64 tokens of the
   King James text; first at 0.5B and 1B parameters to check the plan against the measured peak.
@@ -32,6 +35,7 @@ import argparse
 import gc
 import json
 import os
+import shlex
 import re
 import statistics
 import subprocess
@@ -238,6 +242,12 @@ def probe(spec: dict[str, Any]) -> dict[str, Any]:
     trainer = HybridTrainer(model, optimizer, lm_loss, config, scheduler=scheduler, example_batch=example)
     construct_s = time.perf_counter() - started
     plan = trainer.memory_plan
+    # The construction's own peak (the activation probe's forward, a model built in fp32 still
+    # resident before its bf16 conversion), then the peak of the training steps alone.
+    construct_peak = _vm_hwm()
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")
+    rss_before_steps = _rss()
     losses, times = [], []
     for _ in range(spec.get("steps", 3)):
         started = time.perf_counter()
@@ -247,9 +257,11 @@ def probe(spec: dict[str, Any]) -> dict[str, Any]:
         if spec.get("verbose"):
             print(json.dumps({"step": len(losses), "loss": result.loss, "seconds": times[-1],
                               "rss_peak_gib": _vm_hwm() / GIB}), file=sys.stderr, flush=True)
-    peak = _vm_hwm()
+    step_peak = _vm_hwm()
     return {"arm": spec["arm"], "shape": list(shape), "parameters": n, "rss_before_trainer": rss_before,
-            "peak_rss": peak, "predicted_peak": plan.predicted_peak_bytes, "plan": plan.to_dict(),
+            "peak_rss": max(construct_peak, step_peak), "construct_peak_rss": construct_peak,
+            "step_peak_rss": step_peak, "rss_before_steps": rss_before_steps,
+            "predicted_peak": plan.predicted_peak_bytes, "plan": plan.to_dict(),
             "optimizer": type(trainer.optimizer).__name__, "losses": losses, "step_seconds": times,
             "construct_seconds": construct_s}
 
@@ -304,6 +316,66 @@ def sweep(arms: list[str], steps: int) -> dict[str, Any]:
     return {"rows": rows, "fits": fits, "steps": steps}
 
 
+# GPT sizes of the eager re-measurement: 25M, 127M and 354M parameters (d, layers, ffn, heads).
+EAGER_SHAPES = {"25M": (512, 8, 1376, 8), "125M": (1024, 10, 2752, 16), "350M": (1024, 28, 2752, 16)}
+# label → (arm, model built in bf16): a model meant for bf16 weights is built in bf16 directly
+# (as the big run does; building it in fp32 holds 4 bytes/param until the trainer converts it).
+EAGER_ARMS = {"fp32 AdamW": ("fp32 AdamW", False),
+              "in-backward + 4-bit + bf16": ("in-backward + 4-bit + bf16", True),
+              "in-backward + 4-bit + bf16, model built in fp32": ("in-backward + 4-bit + bf16", False)}
+
+
+def eager_sweep(labels: list[str], steps: int) -> dict[str, Any]:
+    """The sweep at :data:`EAGER_SHAPES` with the low-bit update eager at every size (no
+    torch.compile, whose resident runtime would enter at the sizes that compile only). Each probe
+    refuses to start unless ``MemAvailable`` exceeds its fp32-AdamW-sized need by 3 GiB. Fitted
+    per label: the slope of the whole peak, of the training steps' peak, and of the steps' peak
+    less the activations the planner's probe measured (training state alone)."""
+    os.environ["HYBRID_LOWBIT_COMPILE"] = "0"
+    _, _, vocab = kjv_codes()
+    rows = []
+    for label in labels:
+        arm, build_bf16 = EAGER_ARMS[label]
+        for size, shape in EAGER_SHAPES.items():
+            n = llama_parameters(vocab, *shape)
+            need = int(n * (18 if arm == "fp32 AdamW" else 7)) + 3 * GIB
+            if mem_available() < need:
+                rows.append({"label": label, "arm": arm, "size": size, "parameters": n,
+                             "error": f"refused: MemAvailable {mem_available() / GIB:.1f} GiB < {need / GIB:.1f} GiB"})
+                print(f"eager {label} {size}: {rows[-1]['error']}", flush=True)
+                continue
+            row = run_probe({"arm": arm, "shape": list(shape), "steps": steps, "build_bf16": build_bf16})
+            row.update(label=label, size=size, built_in="bfloat16" if build_bf16 else "float32")
+            rows.append(row)
+            print(f"eager {label:48s} {size}: " + (row.get("error") or (
+                f"{row['parameters'] / 1e6:.1f}M params, peak {row['peak_rss'] / 2**20:.0f} MiB (steps "
+                f"{row['step_peak_rss'] / 2**20:.0f}, construction {row['construct_peak_rss'] / 2**20:.0f}), predicted "
+                f"{row['predicted_peak'] / 2**20:.0f} MiB, activations {row['plan']['breakdown']['activations'] / 2**20:.0f} MiB")),
+                  flush=True)
+    fits = {}
+    for label in labels:
+        ok = [r for r in rows if r["label"] == label and "error" not in r]
+        if len(ok) < 2:
+            continue
+        xs = [r["parameters"] for r in ok]
+        whole, intercept = fit_line(xs, [r["peak_rss"] for r in ok])
+        step, step_intercept = fit_line(xs, [r["step_peak_rss"] for r in ok])
+        state, _ = fit_line(xs, [r["step_peak_rss"] - r["plan"]["breakdown"]["activations"] for r in ok])
+        acts, _ = fit_line(xs, [r["plan"]["breakdown"]["activations"] for r in ok])
+        predicted, _ = fit_line(xs, [r["predicted_peak"] for r in ok])
+        largest = max(ok, key=lambda r: r["parameters"])
+        fits[label] = {"bytes_per_param": whole, "intercept_bytes": intercept, "step_bytes_per_param": step,
+                       "step_intercept_bytes": step_intercept, "state_bytes_per_param": state,
+                       "activation_bytes_per_param": acts, "predicted_bytes_per_param": predicted,
+                       "plan_bytes_per_param": largest["plan"]["bytes_per_param"],
+                       "max_abs_prediction_error": max(abs(r["predicted_peak"] - r["peak_rss"]) / r["peak_rss"] for r in ok),
+                       "step_seconds_largest": statistics.median(largest["step_seconds"][1:] or largest["step_seconds"])}
+    base = fits.get("fp32 AdamW", {}).get("step_seconds_largest")
+    for fit in fits.values():
+        fit["step_time_factor"] = fit["step_seconds_largest"] / base if base else None
+    return {"rows": rows, "fits": fits, "steps": steps, "shapes": EAGER_SHAPES}
+
+
 def planner_part(budgets_mib: list[int], steps: int) -> list[dict[str, Any]]:
     shape = SWEEP_SHAPES["L"]
     rows = []
@@ -317,58 +389,6 @@ def planner_part(budgets_mib: list[int], steps: int) -> list[dict[str, Any]]:
     return rows
 
 
-PARITY_LR = {"charlm": 2e-3, "fashion": 1e-3}
-
-
-def parity(arms: list[str], seeds: list[int], steps: dict[str, int] | None,
-           tasks: tuple[str, ...] = ("charlm", "fashion")) -> dict[str, Any]:
-    from hybrid_trainer import HybridConfig, HybridTrainer
-
-    from .tasks import get_task
-
-    torch.set_num_threads(1)
-    out: dict[str, Any] = {}
-    for task_name in tasks:
-        task = get_task(task_name)
-        n_steps = (steps or {}).get(task_name, task.steps)
-        for arm in arms:
-            kind, knobs = ARMS[arm]
-            for seed in seeds:
-                model = task.make_model(seed)
-                try:
-                    optimizer = make_optimizer(kind, model, lr=PARITY_LR[task_name])
-                    trainer = HybridTrainer(model, optimizer, task.loss_fn,
-                                            HybridConfig(predict=False, good_state_every=0, cost_aware=False, **knobs))
-                except Exception as error:  # noqa: BLE001 - reported per arm
-                    out.setdefault(task_name, {}).setdefault(arm, {"error": f"{type(error).__name__}: {error}"[:300]})
-                    break
-                batches = task.batches(seed)
-                times = []
-                for _ in range(n_steps):
-                    started = time.perf_counter()
-                    trainer.step(next(batches))
-                    times.append(time.perf_counter() - started)
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=trainer._plan_autocast is not None):
-                    val = task.val_loss(model)
-                entry = out.setdefault(task_name, {}).setdefault(arm, {"val_loss": [], "step_ms": []})
-                entry["val_loss"].append(val)
-                entry["step_ms"].append(1e3 * statistics.median(times[5:]))
-                entry["bytes_per_param"] = trainer.memory_plan.bytes_per_param
-                print(f"parity {task_name} {arm:28s} seed {seed}: val {val:.4f}, "
-                      f"{entry['step_ms'][-1]:.2f} ms/step", flush=True)
-        base = out[task_name].get("fp32 AdamW")
-        for arm, entry in out[task_name].items():
-            if "val_loss" in entry:
-                entry["val_mean"] = statistics.mean(entry["val_loss"])
-                entry["val_std"] = statistics.stdev(entry["val_loss"]) if len(entry["val_loss"]) > 1 else 0.0
-                entry["step_ms_median"] = statistics.median(entry["step_ms"])
-                if base and "val_loss" in base:
-                    entry["gap_pct"] = 100 * (entry["val_mean"] / statistics.mean(base["val_loss"]) - 1)
-                    entry["step_time_factor"] = entry["step_ms_median"] / statistics.median(base["step_ms"])
-        out[task_name]["steps"] = n_steps
-    return out
-
-
 # ------------------------------------------------------------------ optimizer speed/fidelity ----
 SPEED_OPTIMIZERS = {
     "torch AdamW (fp32, foreach)": lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01),
@@ -376,16 +396,18 @@ SPEED_OPTIMIZERS = {
     "LowBitAdamW 8-bit compiled": lambda p: _lowbit(p, 8, True),
     "LowBitAdamW 4-bit eager": lambda p: _lowbit(p, 4, False),
     "LowBitAdamW 4-bit compiled": lambda p: _lowbit(p, 4, True),
+    "LowBitAdamW 4-bit eager, block 256": lambda p: _lowbit(p, 4, False, 256),
+    "LowBitAdamW 4-bit eager, block 512": lambda p: _lowbit(p, 4, False, 512),
     "torchao AdamW8bit": lambda p: __import__("torchao.optim", fromlist=["x"]).AdamW8bit(p, lr=1e-3, weight_decay=0.01),
     "torchao AdamW4bit": lambda p: __import__("torchao.optim", fromlist=["x"]).AdamW4bit(p, lr=1e-3, weight_decay=0.01),
     "bitsandbytes AdamW8bit": lambda p: __import__("bitsandbytes").optim.AdamW8bit(p, lr=1e-3, weight_decay=0.01),
 }
 
 
-def _lowbit(params, bits, compiled):
+def _lowbit(params, bits, compiled, block_size=None):
     from hybrid_trainer.lowbit_adamw import LowBitAdamW
 
-    return LowBitAdamW(params, lr=1e-3, weight_decay=0.01, state_bits=bits, compiled=compiled)
+    return LowBitAdamW(params, lr=1e-3, weight_decay=0.01, state_bits=bits, compiled=compiled, block_size=block_size)
 
 
 def optimizer_speed(numel: int = 4 * 2 ** 20, fidelity_numel: int = 1 << 17, fidelity_steps: int = 50) -> dict:
@@ -521,23 +543,45 @@ def markdown(result: dict[str, Any]) -> str:
             else:
                 lines.append(f"| {name} | {r['ns_per_param']:.1f} | {r['update_rel_error']:.3f} | {r['update_cosine']:.4f} |")
         lines.append("")
-    par = result.get("parity")
-    if par:
-        lines += ["## Loss parity (final validation loss, mean ± std over seeds; gap vs fp32 AdamW)", ""]
-        for task_name in ("charlm", "fashion"):
-            if task_name not in par:
+    eager = result.get("eager_sweep")
+    if eager:
+        lines += ["## Bytes per parameter at GPT sizes, low-bit update eager (no torch.compile)", "",
+                  f"`python -m bench.capacity --part eager-sweep`: Llama-shaped char models "
+                  f"({', '.join(f'{k} {tuple(v)}' for k, v in eager['shapes'].items())} as (d, layers, ffn, heads)), "
+                  f"batch 1 × {CONTEXT} tokens, {eager['steps']} steps, each in a fresh process. Peak RSS read twice: "
+                  "over the trainer's construction (activation probe, bf16 conversion) and over the training "
+                  "steps alone; 'state' = the steps' peak less the activations the planner's probe measured.", "",
+                  "| configuration | model built in | whole peak (B/param) | steps' peak | state (steps − activations) | "
+                  "activations | planner's state count | predicted slope | worst prediction error | s/step (largest) | × fp32 |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for label, fit in eager["fits"].items():
+            built = next(r["built_in"] for r in eager["rows"] if r.get("label") == label and "built_in" in r)
+            lines.append(f"| {EAGER_ARMS.get(label, (label,))[0]} | {built} | {fit['bytes_per_param']:.2f} | "
+                         f"{fit['step_bytes_per_param']:.2f} | {fit['state_bytes_per_param']:.2f} | "
+                         f"{fit['activation_bytes_per_param']:.2f} | {fit['plan_bytes_per_param']:.2f} | "
+                         f"{fit['predicted_bytes_per_param']:.2f} | {100 * fit['max_abs_prediction_error']:.1f}% | "
+                         f"{fit['step_seconds_largest']:.1f} | {fit['step_time_factor'] or float('nan'):.2f} |")
+        lines += ["", "Reading it: a model built in fp32 for bf16 training holds 4 bytes/param until the trainer "
+                  "converts it, so its construction peak (and the whole-peak slope) is larger; the planner's "
+                  "activation probe then runs on the fp32 model, so its 'activations' (fp32) exceed the bf16 build's "
+                  "and that row's 'state' column is too small by the difference: compare the steps' "
+                  "peak column, which is the same for both builds. Step times ran with glibc returning every freed "
+                  "buffer over 64 KiB at once (so the RSS follows the live tensors): the eager low-bit update's "
+                  "chunk temporaries each become a fresh mapping, which makes its steps several times slower than "
+                  "in a normal process (`python -m bench.capacity --part speed` times the update alone)."]
+        lines += ["", "| configuration | model built in | size | parameters | construction peak | steps' peak | "
+                  "activations (probe) | predicted peak |", "|---|---|---|---|---|---|---|---|"]
+        for r in eager["rows"]:
+            if "error" in r:
+                lines.append(f"| {r['label']} | | {r['size']} | {r.get('parameters', 0) / 1e6:.1f}M | {r['error'][:150]} | | | |")
                 continue
-            lines += [f"### {task_name} ({par[task_name]['steps']} steps, lr {PARITY_LR[task_name]})", "",
-                      "| configuration | bytes/param (plan) | val loss | gap | step ms | × fp32 |", "|---|---|---|---|---|---|"]
-            for arm, e in par[task_name].items():
-                if arm == "steps":
-                    continue
-                if "error" in e:
-                    lines.append(f"| {arm} | | {e['error'][:150]} | | | |")
-                    continue
-                lines.append(f"| {arm} | {e['bytes_per_param']:.2f} | {e['val_mean']:.4f} ± {e['val_std']:.4f} | "
-                             f"{e.get('gap_pct', 0):+.2f}% | {e['step_ms_median']:.2f} | {e.get('step_time_factor', 1):.2f} |")
-            lines.append("")
+            lines.append(f"| {EAGER_ARMS.get(r['label'], (r['label'],))[0]} | {r['built_in']} | {r['size']} | "
+                         f"{r['parameters'] / 1e6:.1f}M | {r['construct_peak_rss'] / 2**20:.0f} MiB | "
+                         f"{r['step_peak_rss'] / 2**20:.0f} MiB | {r['plan']['breakdown']['activations'] / 2**20:.0f} MiB | "
+                         f"{r['predicted_peak'] / 2**20:.0f} MiB |")
+        lines.append("")
+    if (Path(__file__).resolve().parent.parent / "docs" / "results" / "capacity_parity.md").exists():
+        lines += ["## Loss parity", "", "In `capacity_parity.md` (`python -m bench.capacity_parity`).", ""]
     return "\n".join(lines) + "\n"
 
 
@@ -555,6 +599,13 @@ def plot(result: dict[str, Any], path: Path) -> None:
         line, = ax.plot(xs / 1e9, (fit["bytes_per_param"] * xs + fit["intercept_bytes"]) / GIB, lw=1,
                         label=f"{arm} ({fit['bytes_per_param']:.1f} B/param)")
         ax.scatter([r["parameters"] / 1e9 for r in ok], [r["peak_rss"] / GIB for r in ok], color=line.get_color(), s=12)
+    eager = result.get("eager_sweep") or {}
+    for label, fit in eager.get("fits", {}).items():
+        ok = [r for r in eager["rows"] if r.get("label") == label and "error" not in r]
+        line, = ax.plot(xs / 1e9, (fit["bytes_per_param"] * xs + fit["intercept_bytes"]) / GIB, lw=1.5, ls=":",
+                        label=f"{label}, eager, 25M-350M ({fit['bytes_per_param']:.1f} B/param)")
+        ax.scatter([r["parameters"] / 1e9 for r in ok], [r["peak_rss"] / GIB for r in ok], color=line.get_color(),
+                   s=18, marker="s")
     for r in result.get("big", []):
         if "error" not in r:
             ax.scatter([r["parameters"] / 1e9], [r["peak_rss"] / GIB], marker="*", s=150, color="k", zorder=5)
@@ -586,15 +637,13 @@ def rewrite_reports(out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--probe", help=argparse.SUPPRESS)
-    parser.add_argument("--part", choices=["all", "speed", "sweep", "planner", "parity"], default="all")
-    parser.add_argument("--arms", nargs="*", default=None, help="sweep/parity arms (default: all)")
-    parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--tasks", nargs="*", default=["charlm", "fashion"], help="loss-parity tasks")
+    parser.add_argument("--part", choices=["all", "speed", "sweep", "planner", "eager-sweep"], default="all")
+    parser.add_argument("--eager-labels", nargs="*", default=list(EAGER_ARMS),
+                        help="eager-sweep configurations (default: all of EAGER_ARMS)")
+    parser.add_argument("--arms", nargs="*", default=None, help="sweep arms (default: all)")
     parser.add_argument("--sweep-steps", type=int, default=4)
     parser.add_argument("--eager-lowbit", action="store_true",
                         help="sweep with the low-bit update eager at every size (no torch.compile overhead at one size only)")
-    parser.add_argument("--parity-steps-charlm", type=int, default=None, help="char-LM steps (default: the task's)")
-    parser.add_argument("--parity-steps-fashion", type=int, default=None, help="Fashion-MNIST steps (default: the task's)")
     parser.add_argument("--big", action="store_true", help="the ≥ 4B run (after 0.5B and 1B checks)")
     parser.add_argument("--big-sizes", nargs="*", default=["0.5B", "1B", "4B"])
     parser.add_argument("--budget", default="14.5GiB", help="memory_budget of the big run")
@@ -614,7 +663,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["HYBRID_KERNELS_BACKEND"] = "eager"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = run_metadata("python -m bench.capacity " + " ".join(argv if argv is not None else sys.argv[1:]),
+    meta = run_metadata("python -m bench.capacity " + shlex.join(argv if argv is not None else sys.argv[1:]),
                         machine=f"{os.cpu_count()} CPU cores, torch {torch.__version__}, 1 thread")
     meta["commit"] = meta["git_commit"] or "unknown"  # the name the reports read
     if args.big:
@@ -645,12 +694,17 @@ def main(argv: list[str] | None = None) -> int:
                 f"re-measured {arms}{' with the low-bit update eager at every size' if args.eager_lowbit else ''}")
         else:
             result["sweep"] = fresh
+    if args.part == "eager-sweep":
+        fresh = eager_sweep(args.eager_labels, args.sweep_steps)
+        if set(args.eager_labels) != set(EAGER_ARMS) and result.get("eager_sweep"):  # replace these labels
+            kept = [r for r in result["eager_sweep"]["rows"] if r["label"] not in args.eager_labels]
+            fresh["rows"] = kept + fresh["rows"]
+            fresh["fits"] = {**{k: v for k, v in result["eager_sweep"]["fits"].items()
+                                if k not in args.eager_labels}, **fresh["fits"]}
+        result["eager_sweep"] = fresh
     if args.part in ("all", "planner"):
         result["planner"] = planner_part([1100, 850, 780, 720, 670, 500], args.sweep_steps)
-    if args.part in ("all", "parity"):
-        steps = {k: v for k, v in (("charlm", args.parity_steps_charlm), ("fashion", args.parity_steps_fashion)) if v}
-        fresh = parity(arms, list(range(args.seeds)), steps, tuple(args.tasks))
-        result["parity"] = {**result.get("parity", {}), **fresh}
+    result.pop("parity", None)  # loss parity lives in capacity_parity.json (bench.capacity_parity)
     big_path = out / "capacity_big.json"
     if big_path.exists():
         result["big"] = json.loads(big_path.read_text()).get("big", [])

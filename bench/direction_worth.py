@@ -2,10 +2,10 @@
 
     python -m bench.direction_worth [--tasks fashion charlm] [--steps 400 150]
 
-Trains a ``bench.tasks`` task with the default config three times on the same seed and batches:
+Trains a ``bench.tasks`` task with the default config four times on the same seed and batches:
 the update measured against a before-copy with an fp32 direction (the trainer before the
-update recovery), recomputed from AdamW's state with an fp32 direction, and recomputed with the
-bf16 direction the trainer keeps. The arms are switched here, in the benchmark, by replacing
+update recovery), recomputed from AdamW's state with an fp32 direction, recomputed with a bf16
+direction, and recomputed with the int8 block direction the trainer keeps. The arms are switched here, in the benchmark, by replacing
 ``AdamUpdateRecovery.for_optimizer`` (None: measure with the copy) and
 ``predict_phase.DIRECTION_DTYPE``. Reports, per arm against the first: the largest difference of
 ``trainer.predicted_worth`` over the steps where both have one, the largest worth, whether the
@@ -25,7 +25,7 @@ from hybrid_trainer.update_recovery import AdamUpdateRecovery
 from .tasks import get_task
 
 ARMS = {"copy, fp32": (False, torch.float32), "recovered, fp32": (True, torch.float32),
-        "recovered, bf16": (True, torch.bfloat16)}
+        "recovered, bf16": (True, torch.bfloat16), "recovered, int8": (True, torch.int8)}
 
 
 def run(task_name: str, steps: int, recover: bool, dtype: torch.dtype) -> dict:

@@ -7,7 +7,8 @@ kernels, set the step time: on the H100 (docs/gpu.md) the trainer's recording ma
 0.4-0.6 of a core step, and a bare Triton launch from Python 41-53 µs. Op counts are the same on any
 device, so this benchmark counts them on the CPU (a proxy for launches; no GPU needed) for the
 plain AdamW loop and for HybridTrainer with prediction off, with it on and the per-tensor
-reductions of the CPU path, and with it on and the batched reductions of the CUDA path. The
+reductions of the CPU path, and with it on and the batched reductions of the CUDA path (these two
+with a bf16 direction: the default int8 direction is read a bucket at a time either way). The
 optimizer is AdamW with ``foreach=True``, the implementation a GPU uses (one op per foreach call).
 Two more arms use ``fused=True`` AdamW: its plain loop, and the trainer with prediction off and
 ``read_every=16`` (a GPU's default), whose steps read nothing back except once per 16 steps
@@ -112,7 +113,7 @@ FUSED_ARMS = ARMS[4:]  # AdamW(fused=True): its step skips a non-finite update o
 
 def count_arm(task, arm: str, warmup: int, steps: int, lr: float) -> dict:
     """Ops per step of one arm: median, max, and the mean per caller over the counted steps."""
-    from hybrid_trainer import HybridTrainer
+    from hybrid_trainer import HybridTrainer, predict_phase
 
     from .protocol import preset_config, training_step
 
@@ -124,7 +125,17 @@ def count_arm(task, arm: str, warmup: int, steps: int, lr: float) -> dict:
         config = dataclasses.replace(preset_config("no-predict"), read_every=16)
         trainer = HybridTrainer(model, optimizer, task.loss_fn, config)
     elif arm not in (ARMS[0], ARMS[4]):
-        trainer = HybridTrainer(model, optimizer, task.loss_fn, preset_config("no-predict" if arm == ARMS[1] else "default"))
+        # The two reduction arms compare the reductions of a float direction (bf16): the trainer's
+        # default int8 direction is read a bucket at a time whichever reductions are set.
+        float_direction = arm in (ARMS[2], ARMS[3])
+        kept_dtype = predict_phase.DIRECTION_DTYPE
+        if float_direction:
+            predict_phase.DIRECTION_DTYPE = torch.bfloat16
+        try:
+            trainer = HybridTrainer(model, optimizer, task.loss_fn,
+                                    preset_config("no-predict" if arm == ARMS[1] else "default"))
+        finally:
+            predict_phase.DIRECTION_DTYPE = kept_dtype
         trainer.predictor.batched_reductions = arm == ARMS[3]
     stream = task.batches(0)
     step = training_step(task, model, optimizer, trainer)

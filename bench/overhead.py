@@ -1,6 +1,6 @@
 """What does the trainer cost next to a plain loop, in time and in peak memory?
 
-    python -m bench.overhead [--models mlp-1ms fashion charlm mlp-50m] [--device cpu|cuda] [--quick]
+    python -m bench.overhead [--models mlp-1ms fashion charlm mlp-50m] [--device cpu|cuda] [--quick] [--memory-only]
 
 Every model is trained by the plain loop (``zero_grad``, ``loss.backward()``, ``optimizer.step()``:
 no read of the loss) and by ``HybridTrainer`` in four configurations (``predict=False``, the
@@ -35,6 +35,15 @@ the same initial weights, the same batches in the same order and the same seed.
   is not in it. On CUDA the figure is ``torch.cuda.max_memory_allocated`` above the baseline
   instead. Ratios are trainer over plain; extra bytes the difference. The child also counts the
   bytes the trainer holds in tensors beyond the plain loop's (:mod:`hybrid_trainer.footprint`).
+* **Exact tensor peak** (CPU): each arm again in a fresh process, the same warm-up, then the
+  peak of live tensor bytes from before the model is built to the last step, summed from every
+  allocation and free of torch's CPU allocator (:class:`TensorPeak`). RSS moves by several MB
+  between runs of one arm, which on the small models' 4–70 MB peaks is more than the goal's 3%;
+  the tensor peak does not move. The memory ratio is the RSS one where the plain loop's peak RSS
+  is at least ``RSS_RESOLVES_BYTES``, the tensor one below.
+
+``--memory-only`` re-measures memory and keeps each small model's time figures from the existing
+results file (the report says which run they came from).
 
 Writes ``<out>/overhead.{json,md}`` (``overhead_quick`` with ``--quick``; ``_cuda`` on CUDA),
 each recording the git commit and whether the tree was dirty.
@@ -166,6 +175,7 @@ def _arm_step(arm: str, workload: Workload, device: torch.device, seed: int = 0)
             optimizer.zero_grad(set_to_none=True)
             workload.loss_fn(model, batch).backward()
             optimizer.step()
+        plain.optimizer = optimizer  # type: ignore[attr-defined]  (the memory report reads its state)
         return plain, None, model
     trainer = HybridTrainer(model, optimizer, workload.loss_fn, HybridConfig(seed=seed, **ARMS[arm]))
     return trainer.step, trainer, model
@@ -341,16 +351,61 @@ def _return_free_heap() -> None:
         pass
 
 
-def memory_child(model_name: str, arm: str, device_name: str, steps: int, n_batches: int, time_steps: int) -> dict:
-    """Run in a fresh process: peak training memory of one arm (and, for the big model, its step times)."""
+class TensorPeak:
+    """Peak bytes of live CPU tensors while it is entered, exact at the allocator: every allocation
+    and free of torch's CPU allocator is reported to the profiler (``profile_memory=True``) with
+    its size; the running sum of those sizes, in time order, is the tensor bytes allocated since
+    entry and still alive, and its maximum the peak. Only memory allocated while profiling is
+    tracked (a block allocated before entry and freed inside is not reported), so enter before
+    the measured objects are built. Python objects, allocator slack and code pages are not
+    tensors and are not in it: that is what RSS adds."""
+
+    def __enter__(self) -> "TensorPeak":
+        from torch.profiler import ProfilerActivity, profile
+
+        self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._profiler.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._profiler.__exit__(*exc)
+        sizes = sorted((e.start_ns(), e.nbytes()) for e in self._profiler.profiler.kineto_results.events()
+                       if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+        live = peak = 0
+        for _, size in sizes:
+            live += size
+            peak = max(peak, live)
+        self.peak_bytes, self.end_bytes, self.events = peak, live, len(sizes)
+        del self._profiler
+
+
+def memory_child(model_name: str, arm: str, device_name: str, steps: int, n_batches: int, time_steps: int,
+                 measure: str = "rss") -> dict:
+    """Run in a fresh process: peak training memory of one arm (and, for the big model, its step
+    times). ``measure``: ``"rss"`` (peak RSS above the baseline; on CUDA the allocator's peak)
+    or ``"tensors"`` (peak live tensor bytes, :class:`TensorPeak`; CPU only)."""
     from hybrid_trainer.footprint import trainer_tensor_bytes
 
     torch.set_num_threads(1)
     device = torch.device(device_name)
+    if measure not in ("rss", "tensors") or (measure == "tensors" and device.type != "cpu"):
+        raise ValueError(f"measure: 'rss', or 'tensors' on a CPU; got {measure!r} on {device}")
     workload = make_workload(model_name, n_batches, device)
     warm_up_code(workload if model_name != "mlp-50m" else make_workload("tiny", 8, device), arm, device)
     gc.collect()
     _return_free_heap()
+    if measure == "tensors":
+        with TensorPeak() as tensors:
+            step, trainer, model = _arm_step(arm, workload, device)
+            for i in range(steps):
+                step(workload.batches[i % len(workload.batches)])
+        result = dict(model=model_name, arm=arm, measure=measure, tensor_peak_bytes=tensors.peak_bytes,
+                      tensor_end_bytes=tensors.end_bytes, allocator_events=tensors.events,
+                      parameters=sum(p.numel() for p in model.parameters()), steps=steps)
+        if trainer is not None:
+            result["prediction_enabled_at_end"] = trainer.controller.prediction_enabled
+        result["plain_state_bytes"] = _plain_state_bytes(model, (trainer or step).optimizer.state)
+        return result
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -380,20 +435,38 @@ def memory_child(model_name: str, arm: str, device_name: str, steps: int, n_batc
     return result
 
 
-def run_memory_child(model_name: str, arm: str, device: str, steps: int, n_batches: int, time_steps: int) -> dict:
+def run_memory_child(model_name: str, arm: str, device: str, steps: int, n_batches: int, time_steps: int,
+                     measure: str = "rss") -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", HYBRID_KERNELS_BACKEND=os.environ.get("HYBRID_KERNELS_BACKEND", "eager"))
     env.pop("TRITON_INTERPRET", None)
     command = [sys.executable, "-m", "bench.overhead", "--child", model_name, arm, "--device", device,
-               "--memory-steps", str(steps), "--batches", str(n_batches), "--child-time-steps", str(time_steps)]
+               "--memory-steps", str(steps), "--batches", str(n_batches), "--child-time-steps", str(time_steps),
+               "--child-measure", measure]
     done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=ROOT)
     if done.returncode != 0:
-        raise RuntimeError(f"memory child {model_name}/{arm} failed:\n{done.stderr[-2000:]}")
+        raise RuntimeError(f"memory child {model_name}/{arm} ({measure}) failed:\n{done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 # ================================================================================ report ====
+# Below this plain-loop peak RSS the memory ratio is the exact tensor peak's: one arm's peak RSS
+# moved by several MB between runs (Python objects, allocator slack; Fashion-MNIST predict=False
+# read 0.93, 1.22 and 1.43x on a 14 MB peak), more than the 3% the goal allows of a peak under
+# ~250 MB. Above it RSS, what a user meets, resolves the goal and is the ratio.
+RSS_RESOLVES_BYTES = 256e6
+
+
+def memory_basis(plain: dict) -> str:
+    """``"rss"`` or ``"tensors"``: which peak the model's memory ratio is taken from (see above)."""
+    if not plain.get("tensors") or (plain.get("memory") or {}).get("training_bytes", 0) >= RSS_RESOLVES_BYTES:
+        return "rss"
+    return "tensors"
+
+
 def compare(plain: dict, arm: dict) -> dict[str, Any]:
-    """Ratios and differences of one trainer arm against the plain loop, from the measurements."""
+    """Ratios and differences of one trainer arm against the plain loop, from the measurements:
+    ``rss_*`` from the peak RSS, ``tensor_*`` from the exact tensor peak, and ``memory_ratio`` /
+    ``extra_bytes`` from the one :func:`memory_basis` picks (``memory_basis``)."""
     out: dict[str, Any] = {}
     if plain.get("time") and arm.get("time"):
         p, a = plain["time"], arm["time"]
@@ -405,8 +478,17 @@ def compare(plain: dict, arm: dict) -> dict[str, Any]:
             out["real_step_overhead_us"] = a["real_median_us"] - p["median_us"]
     if plain.get("memory") and arm.get("memory"):
         p, a = plain["memory"]["training_bytes"], arm["memory"]["training_bytes"]
-        out["memory_ratio"] = a / p if p > 0 else None
-        out["extra_bytes"] = a - p
+        out["rss_ratio"] = a / p if p > 0 else None
+        out["rss_extra_bytes"] = a - p
+    if plain.get("tensors") and arm.get("tensors"):
+        p, a = plain["tensors"]["tensor_peak_bytes"], arm["tensors"]["tensor_peak_bytes"]
+        out["tensor_ratio"] = a / p if p > 0 else None
+        out["tensor_extra_bytes"] = a - p
+    basis = memory_basis(plain)
+    prefix = "rss" if basis == "rss" else "tensor"
+    if f"{prefix}_ratio" in out:
+        out["memory_basis"] = basis
+        out["memory_ratio"], out["extra_bytes"] = out[f"{prefix}_ratio"], out[f"{prefix}_extra_bytes"]
     return out
 
 
@@ -425,26 +507,43 @@ def markdown(results: dict[str, Any]) -> str:
              "Time: median over chunks of 16 steps of the chunk's mean step (so a cost paid every N steps counts), "
              "arms interleaved in one process (models ≤ 5M parameters) or one after another in "
              "their memory process (larger); overhead = trainer − plain. Real steps: the trainer's non-predicted "
-             "steps. Memory: peak training memory (peak RSS above the baseline after data loading) in a fresh "
-             "process per arm; ratio = trainer / plain.", "",
-             "| model | params | arm | step (µs) | overhead (µs) | ratio | real-step ratio | peak (MB) | "
-             "memory ratio | extra (MB) | trainer tensors (MB) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "steps. Memory, each arm in fresh processes: peak RSS above the baseline after data loading (what a "
+             "user meets: tensors, Python objects, allocator slack), and the exact peak of live tensor bytes "
+             "(every allocation and free of torch's CPU allocator, summed in time order from before the model is "
+             "built: weights, gradients, optimizer state, activations and whatever the trainer adds); ratios = "
+             "trainer / plain. The memory ratio is the RSS one where the plain loop's peak RSS is at least "
+             f"{RSS_RESOLVES_BYTES / 1e6:.0f} MB, the tensor one below (basis R or T): one arm's peak RSS moves "
+             "by several MB between runs, more than the 3% the goal allows of a smaller peak.", "",
+             "| model | params | arm | step (µs) | overhead (µs) | ratio | real-step ratio | peak RSS (MB) | "
+             "RSS ratio | tensor peak (MB) | tensor ratio | memory ratio (basis) | extra (MB) | trainer tensors (MB) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     if len(runs) > 1:
         lines[1:1] = ["Runs: " + "; ".join(f"{m}: `{r['run']['command']}` at {r['run']['date']}, commit "
                                            f"{(r['run']['git']['commit'] or '?')[:10]}"
                                            for m, r in results["models"].items() if "run" in r), ""]
+    timed_elsewhere = {m: r["time_run"] for m, r in results["models"].items() if r.get("time_run")}
+    if timed_elsewhere:
+        per_step = [m for m in timed_elsewhere
+                    if any(a.get("time") and "chunk_median_us" not in a["time"] for a in results["models"][m]["arms"].values())]
+        lines[1:1] = ["Time figures (and breakdowns) of " + "; ".join(
+            f"{m}: from `{t['command']}` at {t['date']}, commit {(t['git']['commit'] or '?')[:10]}"
+            for m, t in timed_elsewhere.items()) + " (this run measured memory only)"
+            + (f"; that run's step time for {', '.join(per_step)} is the median single step (it predates the chunk "
+               "medians), and arms it did not have are untimed (–)" if per_step else "") + ".", ""]
     for model, r in results["models"].items():
         for arm, a in r["arms"].items():
             c = a.get("vs_plain", {})
             t = a.get("time") or {}
             held = (a.get("memory") or {}).get("trainer_tensor_bytes", {}).get("total")
             fmt = lambda v, f: "–" if v is None else format(v, f)  # noqa: E731
+            basis = {"rss": " R", "tensors": " T"}.get(c.get("memory_basis"), "")
             step_us = t.get("chunk_median_us", t.get("median_us"))
             lines.append(f"| {model} | {r['parameters'] / 1e6:.2f}M | {arm} | {fmt(step_us, '.0f')} | "
                          f"{fmt(c.get('overhead_us'), '+.0f')} | {fmt(c.get('time_ratio'), '.3f')} | "
                          f"{fmt(c.get('real_step_ratio'), '.3f')} | {_mb((a.get('memory') or {}).get('training_bytes'))} | "
-                         f"{fmt(c.get('memory_ratio'), '.3f')} | {_mb(c.get('extra_bytes'))} | {_mb(held)} |")
+                         f"{fmt(c.get('rss_ratio'), '.3f')} | {_mb((a.get('tensors') or {}).get('tensor_peak_bytes'))} | "
+                         f"{fmt(c.get('tensor_ratio'), '.3f')} | {fmt(c.get('memory_ratio'), '.3f')}{basis} | "
+                         f"{_mb(c.get('extra_bytes'))} | {_mb(held)} |")
     for model, r in results["models"].items():
         b = r.get("breakdown")
         if b:
@@ -481,12 +580,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--merge", action="store_true",
                         help="keep the other models of an existing results file (each model records its own run)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results")
+    parser.add_argument("--memory-only", action="store_true",
+                        help="measure memory only; the in-process time figures (and breakdown) of each model are kept "
+                             "from the existing results file, which records the run they came from")
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "ARM"), help=argparse.SUPPRESS)
     parser.add_argument("--child-time-steps", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--child-measure", default="rss", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if args.child:
-        print(json.dumps(memory_child(*args.child, args.device, args.memory_steps, args.batches, args.child_time_steps)))
+        print(json.dumps(memory_child(*args.child, args.device, args.memory_steps, args.batches, args.child_time_steps,
+                                      args.child_measure)))
         return 0
     if os.environ.get("TRITON_INTERPRET") == "1" and device.type == "cpu":
         os.environ.pop("TRITON_INTERPRET")  # children get the eager kernels; interpreted ones would distort time
@@ -504,12 +608,27 @@ def main(argv: list[str] | None = None) -> int:
                                    host=platform.node(), threads=torch.get_num_threads(), models={},
                                    settings=dict(warmup=warmup, steps=steps, chunk=args.chunk,
                                                  memory_steps=memory_steps, batches=args.batches))
+    suffix = ("_quick" if args.quick else "") + ("" if device.type == "cpu" else f"_{device.type}")
+    existing = args.out / f"overhead{suffix}.json"
+    previous = json.loads(existing.read_text())["models"] if existing.exists() else {}
+    # Only the small models' time figures are kept; a big model is timed in its memory process.
+    untimed = [m for m in models if m not in previous and m != "mlp-50m"]
+    if args.memory_only and untimed:
+        parser.error(f"--memory-only keeps the time figures of {existing}, which lacks {untimed}")
     for name in models:
         workload = make_workload(name, args.batches, device)
         n_params = sum(p.numel() for p in workload.make_model(0).parameters())
         big = n_params > IN_PROCESS_PARAMS
         entry: dict[str, Any] = dict(parameters=n_params, details=workload.details, arms={a: {} for a in ARMS})
-        if not big:
+        if not big and args.memory_only:  # time figures of the run that measured them, said so
+            old = previous[name]
+            for arm in [*ARMS, GUARD_FLOOR]:  # an arm the old run did not have stays untimed ("–")
+                if (old["arms"].get(arm) or {}).get("time"):
+                    entry["arms"].setdefault(arm, {})["time"] = old["arms"][arm]["time"]
+            if old.get("breakdown"):
+                entry["breakdown"] = old["breakdown"]
+            entry["time_run"] = old.get("time_run") or old["run"]
+        elif not big:
             with tqdm(total=-(-steps // args.chunk), desc=f"{name}: time", leave=False) as bar:
                 for arm, t in time_interleaved(workload, device, warmup, steps, args.chunk, bar).items():
                     entry["arms"].setdefault(arm, {})["time"] = t
@@ -521,8 +640,12 @@ def main(argv: list[str] | None = None) -> int:
         big_memory_steps = min(memory_steps, 60) if big else memory_steps
         time_steps = min(20, big_memory_steps // 2) if big else 0
         for arm in tqdm(ARMS, desc=f"{name}: memory", leave=False):
-            child = run_memory_child(name, arm, args.device, big_memory_steps, args.batches if not big else 8, time_steps)
+            n_batches = args.batches if not big else 8
+            child = run_memory_child(name, arm, args.device, big_memory_steps, n_batches, time_steps)
             entry["arms"][arm]["memory"] = child
+            if device.type == "cpu":  # on CUDA the allocator's own peak is exact already
+                entry["arms"][arm]["tensors"] = run_memory_child(name, arm, args.device, big_memory_steps, n_batches, 0,
+                                                                 measure="tensors")
             if big:
                 entry["arms"][arm]["time"] = child["time"]
         plain = entry["arms"]["plain"]
@@ -532,11 +655,9 @@ def main(argv: list[str] | None = None) -> int:
         entry["run"] = dict(command=results["command"], date=results["date"], git=results["git"])
         results["models"][name] = entry
         print(markdown(dict(results, models={name: entry})), flush=True)
-    suffix = ("_quick" if args.quick else "") + ("" if device.type == "cpu" else f"_{device.type}")
     args.out.mkdir(parents=True, exist_ok=True)
-    existing = args.out / f"overhead{suffix}.json"
-    if args.merge and existing.exists():
-        kept = {k: v for k, v in json.loads(existing.read_text())["models"].items() if k not in results["models"]}
+    if args.merge and previous:
+        kept = {k: v for k, v in previous.items() if k not in results["models"]}
         results["models"] = {**kept, **results["models"]}
     (args.out / f"overhead{suffix}.json").write_text(json.dumps(results, indent=1))
     (args.out / f"overhead{suffix}.md").write_text(markdown(results))

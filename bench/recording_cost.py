@@ -25,6 +25,7 @@ ARMS = {  # name: (recover from the optimizer's state, direction dtype)
     "recovered, fp32": (True, torch.float32),
     "copy, bf16": (False, torch.bfloat16),
     "recovered, bf16": (True, torch.bfloat16),
+    "recovered, int8": (True, torch.int8),
 }
 
 

@@ -815,7 +815,7 @@ def _collect_moments(optimizer_state: Any) -> tuple[int, list[torch.Tensor], lis
                 if not st:
                     continue
                 if isinstance(st.get("exp_avg"), torch.Tensor) and isinstance(st.get("exp_avg_sq"), torch.Tensor):
-                    pairs.append((st["exp_avg"], st["exp_avg_sq"]))
+                    pairs.append((_dequantized(st["exp_avg"]), _dequantized(st["exp_avg_sq"])))
                 elif isinstance(st.get("momentum_buffer"), torch.Tensor):
                     momenta.append(st["momentum_buffer"])
         if pairs:
@@ -835,6 +835,16 @@ def _collect_moments(optimizer_state: Any) -> tuple[int, list[torch.Tensor], lis
     if not optimizer_state:
         return 0, [], None
     return 2, *_check_pairs(list(optimizer_state), lambda i: f"optimizer_state[{i}]")
+
+
+def _dequantized(t: torch.Tensor) -> torch.Tensor:
+    """A moment kept in a quantizing tensor subclass (torchao's 8/4-bit ``OptimState``, which
+    implements almost no operators) as the plain fp32 tensor its ``dequantize()`` gives (a
+    transient copy); any other tensor as it is."""
+    if type(t) in (torch.Tensor, torch.nn.Parameter):
+        return t
+    dequantize = getattr(t, "dequantize", None)
+    return dequantize() if callable(dequantize) else t
 
 
 def _check_moment_tensor(t: Any, where: str) -> None:

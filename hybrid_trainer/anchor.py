@@ -21,6 +21,11 @@ restore; it suits a snapshot taken rarely and restored more rarely still (the di
 rollback's good state, every ``good_state_every`` real steps), not the predict phase's anchor,
 which is taken at every verification.
 
+Optimizer state held in a tensor subclass that wraps plain tensors (torchao's 8/4-bit
+``OptimState``: codes, scales, a code map) is saved and restored through its inner tensors
+(``__tensor_flatten__``), bit-exactly like any other state: such subclasses implement neither
+``empty_like`` nor a byte view of themselves.
+
 Module buffers (batch-norm running statistics and their counters) are part of the snapshot: a
 train-mode forward updates them, so a verification forward through rejected weights, or the
 forward of a step whose loss spiked, would otherwise leave its trace after the weights went back.
@@ -125,6 +130,50 @@ class _FileSlot(int):
     value, e.g. an optimizer's integer step count)."""
 
 
+def _is_subclass_state(value: Any) -> bool:
+    """A tensor subclass that wraps plain tensors (``__tensor_flatten__``), e.g. torchao's 8/4-bit
+    optimizer state (``OptimState8bit``/``OptimState4bit``): it implements neither ``empty_like``
+    nor ``view(dtype)``, so it is copied through its inner tensors instead."""
+    return (isinstance(value, torch.Tensor) and type(value) not in (torch.Tensor, torch.nn.Parameter)
+            and hasattr(value, "__tensor_flatten__"))
+
+
+class _SubclassState:
+    """The saved state of a tensor subclass (:func:`_is_subclass_state`): its inner tensors by the
+    names ``__tensor_flatten__`` gives, each copied as a plain tensor (``"device"``/``"host"``) or
+    kept at a :class:`_FileSlot` (``"file"``), and what ``__tensor_unflatten__`` needs to rebuild
+    it. Restoring copies the inner tensors back into the optimizer's own object when it still has
+    the saved class, attributes and inner shapes (bit-exact, no reallocation), else rebuilds one."""
+
+    def __init__(self, value: torch.Tensor, inner: dict[str, Any]):
+        self.cls = type(value)
+        self.context = value.__tensor_flatten__()[1]
+        self.size, self.stride = value.size(), value.stride()
+        self.inner = inner
+
+    @staticmethod
+    def parts(value: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The inner tensors of ``value`` by name; each must be a plain tensor."""
+        inner = {name: getattr(value, name) for name in value.__tensor_flatten__()[0]}
+        for name, t in inner.items():
+            if type(t) not in (torch.Tensor, torch.nn.Parameter):
+                raise TypeError(f"optimizer state of type {type(value).__name__}: its inner tensor {name!r} is a "
+                                f"{type(t).__name__}; only one level of tensor subclass can be snapshotted")
+        return inner
+
+    def fits(self, value: Any, layout: dict[str, tuple[torch.Size, torch.dtype]]) -> bool:
+        """Whether ``value`` is an object of the saved class and attributes whose inner tensors
+        have the shapes and dtypes of ``layout``, so the saved bits can be copied into it."""
+        if type(value) is not self.cls or value.__tensor_flatten__()[1] != self.context:
+            return False
+        parts = self.parts(value)
+        return parts.keys() == layout.keys() and all(
+            (parts[n].shape, parts[n].dtype) == shape_dtype for n, shape_dtype in layout.items())
+
+    def rebuild(self, inner: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.cls.__tensor_unflatten__(inner, self.context, self.size, self.stride)
+
+
 class WeightAnchor:
     """A saved copy of ``params`` (and of the optimizer's tensor state when asked).
 
@@ -156,7 +205,8 @@ class WeightAnchor:
         # Per parameter: {key: tensor copy ("device"/"host"), index into the file ("file"), or a
         # non-tensor value}; None when the optimizer was not snapshotted.
         self._optimizer_saved: list[dict[str, Any]] | None = None
-        self._optimizer_tensor_keys: list[tuple[int, str]] = []  # "file": (param index, key) per file slot
+        # "file": (param index, key, inner tensor name of a subclass state or None) per file slot
+        self._optimizer_tensor_keys: list[tuple[int, str, str | None]] = []
         self._pending: torch.cuda.Event | None = None  # "host" on a GPU: the copy in flight
         self.step: int | None = None  # trainer step at which the snapshot was taken
 
@@ -211,7 +261,9 @@ class WeightAnchor:
             for state, old in zip(slots, previous):
                 slot = {}
                 for key, value in state.items():
-                    if isinstance(value, torch.Tensor):
+                    if _is_subclass_state(value):
+                        slot[key] = self._save_subclass(value, old.get(key), non_blocking)
+                    elif isinstance(value, torch.Tensor):
                         copy = old.get(key)
                         if not isinstance(copy, torch.Tensor) or copy.shape != value.shape or copy.dtype != value.dtype:
                             copy = self._copy_for(value)
@@ -224,6 +276,16 @@ class WeightAnchor:
         if non_blocking and any(p.device.type == "cuda" for p in params):
             self._pending = torch.cuda.Event()
             self._pending.record()
+
+    def _save_subclass(self, value: torch.Tensor, old: Any, non_blocking: bool) -> _SubclassState:
+        """A copy of each inner tensor of ``value``, into ``old``'s copies where they fit."""
+        parts = _SubclassState.parts(value)
+        if not (isinstance(old, _SubclassState)
+                and old.fits(value, {n: (c.shape, c.dtype) for n, c in old.inner.items()})):
+            old = _SubclassState(value, {n: self._copy_for(t) for n, t in parts.items()})
+        for name, t in parts.items():
+            old.inner[name].copy_(t, non_blocking=non_blocking)
+        return old
 
     def _save_to_file(self, params, buffers, slots) -> None:
         if self._file is None:
@@ -238,9 +300,16 @@ class WeightAnchor:
             for i, state in enumerate(slots):
                 slot = {}
                 for key, value in state.items():
-                    if isinstance(value, torch.Tensor):
+                    if _is_subclass_state(value):
+                        inner = {}
+                        for name, t in _SubclassState.parts(value).items():
+                            inner[name] = _FileSlot(len(tensors))
+                            self._optimizer_tensor_keys.append((i, key, name))
+                            tensors.append(t.detach())
+                        slot[key] = _SubclassState(value, inner)
+                    elif isinstance(value, torch.Tensor):
                         slot[key] = _FileSlot(len(tensors))
-                        self._optimizer_tensor_keys.append((i, key))
+                        self._optimizer_tensor_keys.append((i, key, None))
                         tensors.append(value.detach())
                     else:
                         slot[key] = value
@@ -274,7 +343,13 @@ class WeightAnchor:
                 state = optimizer.state.setdefault(p, {})
                 for key, value in slot.items():
                     current = state.get(key)
-                    if isinstance(value, torch.Tensor) and isinstance(current, torch.Tensor) \
+                    if isinstance(value, _SubclassState):
+                        if value.fits(current, {n: (c.shape, c.dtype) for n, c in value.inner.items()}):
+                            for name, part in _SubclassState.parts(current).items():
+                                part.copy_(value.inner[name])
+                        else:
+                            state[key] = value.rebuild({n: c.to(p.device, copy=True) for n, c in value.inner.items()})
+                    elif isinstance(value, torch.Tensor) and isinstance(current, torch.Tensor) \
                             and current.shape == value.shape and current.dtype == value.dtype:
                         current.copy_(value)
                     elif isinstance(value, torch.Tensor):
@@ -292,13 +367,23 @@ class WeightAnchor:
                                   else torch.empty(shape, dtype=dtype, device=buffer.device))
         targets += buffer_targets
         with_optimizer = optimizer is not None and self._optimizer_saved is not None
-        restored: dict[tuple[int, str], torch.Tensor] = {}
-        for index, key in self._optimizer_tensor_keys:
+        # (param index, key, inner tensor name or None) -> the tensor the file is read into: the
+        # optimizer's own where it has the saved shape and dtype (a subclass: the saved class and
+        # attributes too), else a new one.
+        restored: dict[tuple[int, str, str | None], torch.Tensor] = {}
+        in_place: dict[tuple[int, str], bool] = {}
+        for index, key, name in self._optimizer_tensor_keys:
             shape, dtype, device = self._file.layout[len(targets)]
             current = optimizer.state.get(self.params[index], {}).get(key) if with_optimizer else None
+            if name is not None:
+                if (index, key) not in in_place:
+                    saved = self._optimizer_saved[index][key]
+                    in_place[(index, key)] = saved.fits(current, {n: self._file.layout[slot][:2]
+                                                                  for n, slot in saved.inner.items()})
+                current = _SubclassState.parts(current)[name] if in_place[(index, key)] else None
             if not (isinstance(current, torch.Tensor) and current.shape == shape and current.dtype == dtype):
                 current = torch.empty(shape, dtype=dtype, device=self.params[index].device)
-            restored[(index, key)] = current
+            restored[(index, key, name)] = current
             targets.append(current)
         self._file.read_into(targets)  # params, buffers and optimizer tensors: one read
         for (module, name), target in zip(self.buffer_slots, buffer_targets):
@@ -312,7 +397,11 @@ class WeightAnchor:
                 continue
             state = optimizer.state.setdefault(p, {})
             for key, value in slot.items():
-                state[key] = restored[(index, key)] if isinstance(value, _FileSlot) else value
+                if isinstance(value, _SubclassState):
+                    if not in_place[(index, key)]:
+                        state[key] = value.rebuild({n: restored[(index, key, n)] for n in value.inner})
+                else:
+                    state[key] = restored[(index, key, None)] if isinstance(value, _FileSlot) else value
 
     def release(self) -> None:
         """Free the snapshot's memory (or file); :attr:`is_set` is False until the next save."""
@@ -332,13 +421,17 @@ class WeightAnchor:
             tensors = self._file.read()
             n, m = len(self.params), len(self._buffer_layout)
             slots = None if self._optimizer_saved is None else [
-                {k: (tensors[v] if isinstance(v, _FileSlot) else v) for k, v in slot.items()}
+                {k: (tensors[v] if isinstance(v, _FileSlot) else
+                     v.rebuild({name: tensors[i] for name, i in v.inner.items()}) if isinstance(v, _SubclassState) else v)
+                 for k, v in slot.items()}
                 for slot in self._optimizer_saved]
             return tensors[:n], tensors[n:n + m], slots
         self._wait()
         to_cpu = lambda t: t.to("cpu", copy=True)  # noqa: E731
         slots = None if self._optimizer_saved is None else [
-            {k: (to_cpu(v) if isinstance(v, torch.Tensor) else v) for k, v in slot.items()}
+            {k: (to_cpu(v) if isinstance(v, torch.Tensor) else
+                 v.rebuild({name: to_cpu(t) for name, t in v.inner.items()}) if isinstance(v, _SubclassState) else v)
+             for k, v in slot.items()}
             for slot in self._optimizer_saved]
         return [to_cpu(t) for t in self._saved], [to_cpu(t) for t in self._buffers_saved], slots
 

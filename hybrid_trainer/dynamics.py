@@ -43,24 +43,19 @@ class DynamicsModel(nn.Module):
         super().__init__()
         self.n_features, self.hidden, self.ensemble, self.horizon = n_features, hidden, ensemble, horizon
         self.window, self.capacity, self.batch = window, capacity, batch
-        gen = torch.Generator().manual_seed(seed)
-        bound = 1.0 / math.sqrt(hidden)
-
-        def uniform(*shape):
-            return nn.Parameter((torch.rand(*shape, generator=gen) * 2 - 1) * bound)
-
-        self.w_ih = uniform(ensemble, 3 * hidden, n_features)
-        self.w_hh = uniform(ensemble, 3 * hidden, hidden)
-        self.b_ih = uniform(ensemble, 3 * hidden)
-        self.b_hh = uniform(ensemble, 3 * hidden)
-        self.head_w = nn.Parameter(torch.zeros(ensemble, hidden, 2 * horizon))
-        self.head_b = nn.Parameter(torch.zeros(ensemble, 1, 2 * horizon))
-        self.to(device)
-        self.optimizer = torch.optim.Adam(self.parameters(), lr=lr)
+        self._seed, self._lr, self._device = seed, lr, device
+        # The networks and their Adam state are built by the first train_step (or forecast, or a
+        # load of trained ones): the replay below is all observing needs, and a run whose worth
+        # gate opens only to time the forecaster never trains them (~3 MB of weights, ~12 MB
+        # training, at the default width). Their own seeded generator draws the same weights
+        # whenever they are built.
+        self.optimizer: torch.optim.Adam | None = None
         self.sampler = torch.Generator().manual_seed(seed + 1)
 
         # Replay of real steps: states and losses, in order (a ring).
-        self.states = torch.zeros(capacity, n_features, device=device)
+        # Grown as steps arrive (doubling, up to ``capacity`` rows): a forecaster that runs a few
+        # steps to be timed and is then shut off keeps a few rows, not 512.
+        self.states = torch.zeros(0, n_features, device=device)
         self.losses = torch.zeros(capacity, dtype=torch.float64)
         self.count = 0  # steps observed in total
         self.loss_unit = 1.0  # typical |loss[t+1] - loss[t]|: targets are divided by it
@@ -75,6 +70,10 @@ class DynamicsModel(nn.Module):
     def observe(self, state: torch.Tensor, loss: float) -> None:
         """Record a real step (normalised state [n_features], its loss) and score old forecasts."""
         slot = self.count % self.capacity
+        if slot >= self.states.shape[0]:  # (indices stay below count, so no row beyond is read)
+            grown = self.states.new_zeros(min(self.capacity, max(16, 2 * self.states.shape[0])), self.n_features)
+            grown[:self.states.shape[0]] = self.states
+            self.states = grown
         self.states[slot] = state.to(self.states.device, torch.float32)
         self.losses[slot] = loss
         t = self.count
@@ -101,6 +100,30 @@ class DynamicsModel(nn.Module):
         return self.losses[idx]
 
     # -- model -----------------------------------------------------------------------------
+    @property
+    def built(self) -> bool:
+        """Whether the networks (and their Adam state) exist yet."""
+        return self.optimizer is not None
+
+    def _build(self) -> None:
+        if self.built:
+            return
+        ensemble, hidden, horizon = self.ensemble, self.hidden, self.horizon
+        gen = torch.Generator().manual_seed(self._seed)
+        bound = 1.0 / math.sqrt(hidden)
+
+        def uniform(*shape):  # in place: the same values without two temporaries of each weight's size
+            return nn.Parameter(torch.rand(*shape, generator=gen).mul_(2).sub_(1).mul_(bound))
+
+        self.w_ih = uniform(ensemble, 3 * hidden, self.n_features)
+        self.w_hh = uniform(ensemble, 3 * hidden, hidden)
+        self.b_ih = uniform(ensemble, 3 * hidden)
+        self.b_hh = uniform(ensemble, 3 * hidden)
+        self.head_w = nn.Parameter(torch.zeros(ensemble, hidden, 2 * horizon))
+        self.head_b = nn.Parameter(torch.zeros(ensemble, 1, 2 * horizon))
+        self.to(self._device)
+        self.optimizer = torch.optim.Adam(self.parameters(), lr=self._lr)
+
     def _rollout(self, windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """windows [E, B, W, F] → (mean, logvar), each [E, B, H] in loss units."""
         e, b = windows.shape[:2]
@@ -124,6 +147,7 @@ class DynamicsModel(nn.Module):
         """A few Adam steps on replayed real steps; returns the last Gaussian NLL (or NaN)."""
         if not self.ready():
             return float("nan")
+        self._build()
         oldest = max(self.window - 1, self.count - self.capacity + self.window)
         newest = self.count - 2  # needs at least the 1-step target
         if newest < oldest:
@@ -158,6 +182,7 @@ class DynamicsModel(nn.Module):
         ranks whose models drifted apart by nondeterministic kernels still decide alike."""
         if not self.ready():
             return None
+        self._build()
         ends = torch.tensor([self.count - 1])
         windows = self._window_at(ends).unsqueeze(0).expand(self.ensemble, 1, self.window, self.n_features)
         mean, logvar = self._rollout(windows.contiguous())
@@ -193,10 +218,11 @@ class DynamicsModel(nn.Module):
     # -- checkpoint ------------------------------------------------------------------------
     def full_state_dict(self) -> dict:
         return {
+            # Empty and None while the networks are not built.
             "params": {k: v.clone() for k, v in self.state_dict().items()},
             # A copy: Optimizer.load_state_dict keeps same-device tensors as they are, so a state
             # passed in memory would otherwise share Adam moments between two models.
-            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()) if self.built else None,
             "sampler": self.sampler.get_state(),
             "states": self.states.clone(), "losses": self.losses.clone(), "count": self.count,
             "loss_unit": self.loss_unit, "train_steps": self.train_steps, "last_train_loss": self.last_train_loss,
@@ -205,10 +231,16 @@ class DynamicsModel(nn.Module):
         }
 
     def load_full_state_dict(self, state: dict) -> None:
-        self.load_state_dict(state["params"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if state["params"]:  # saved with its networks: build them here to load into
+            self._build()
+            self.load_state_dict(state["params"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        elif self.built:  # saved before they were built: none here either
+            for name in list(self._parameters):
+                delattr(self, name)
+            self.optimizer = None
         self.sampler.set_state(state["sampler"])
-        self.states.copy_(state["states"])
+        self.states = state["states"].to(self.states.device, torch.float32, copy=True)  # the rows saved
         self.losses.copy_(state["losses"])
         self.count, self.loss_unit = state["count"], state["loss_unit"]
         self.train_steps, self.last_train_loss = state["train_steps"], state["last_train_loss"]

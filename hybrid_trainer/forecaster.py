@@ -35,15 +35,18 @@ class StateForecaster:
     def __init__(self, config: HybridConfig, device: torch.device, controller, loss_trend, worth, agree):
         self.config, self.controller, self.loss_trend, self.worth, self.agree = \
             config, controller, loss_trend, worth, agree
+        self.device = device
         self.history = hk.StateHistory(device=device)
         self.normalizer = RunningNormalizer(NUM_FEATURES)
-        # Only prediction reads the forecast: a run that never predicts builds no model (an
-        # ensemble of GRUs and its Adam state, ~9 MB at the default width).
-        self.dynamics = (DynamicsModel(n_features=NUM_FEATURES, hidden=config.dynamics_hidden,
-                                       ensemble=config.dynamics_ensemble, horizon=config.horizon,
-                                       window=config.dynamics_window, lr=config.dynamics_lr,
-                                       batch=config.dynamics_batch, seed=config.seed, device=device)
-                         if config.predict else None)
+        # Built the first time the worth gate lets the forecaster run (see observe), not here,
+        # and its GRU networks only at its first training step: only prediction reads the
+        # forecast, and a run whose gate never opens, or opens only long enough to time the
+        # forecaster (the small models), would hold an ensemble of GRUs (~3 MB of weights at the
+        # default width, ~12 MB once it trains with its Adam state) for nothing. Until then the
+        # model is what a fresh one would be (no forecast, no errors, no training steps), so
+        # building it late changes no decision: its own seeded generators, not torch's, draw its
+        # weights and replay.
+        self.dynamics: DynamicsModel | None = None
         self.forecast: dict[str, torch.Tensor] | None = None
         self._released_report: tuple[dict[int, float], int] = ({}, 0)  # the model's last figures, once freed
 
@@ -54,6 +57,32 @@ class StateForecaster:
     @property
     def train_steps(self) -> int:
         return self._released_report[1] if self.dynamics is None else self.dynamics.train_steps
+
+    def new_dynamics(self) -> DynamicsModel:
+        """A fresh dynamics model of this run's configuration (not kept: :meth:`observe` builds
+        the run's own; a checkpoint check loads into one)."""
+        cfg = self.config
+        return DynamicsModel(n_features=NUM_FEATURES, hidden=cfg.dynamics_hidden, ensemble=cfg.dynamics_ensemble,
+                             horizon=cfg.horizon, window=cfg.dynamics_window, lr=cfg.dynamics_lr,
+                             batch=cfg.dynamics_batch, seed=cfg.seed, device=self.device)
+
+    def _built_dynamics(self) -> DynamicsModel:
+        """The dynamics model, built at its first use."""
+        if self.dynamics is None:
+            self.dynamics = self.new_dynamics()
+        return self.dynamics
+
+    def dynamics_state(self) -> dict | None:
+        """The dynamics model's checkpoint state; None while it is not built (or released)."""
+        return None if self.dynamics is None else self.dynamics.full_state_dict()
+
+    def load_dynamics_state(self, state: dict | None) -> None:
+        """Restore :meth:`dynamics_state`: a saved model is built and loaded, a saved absence
+        leaves none here either (a run that predicts builds it when it is first needed)."""
+        if state is None or not self.config.predict:
+            self.dynamics = None
+            return
+        self._built_dynamics().load_full_state_dict(state)
 
     def release(self) -> None:
         """Prediction is off for the rest of the run: free the dynamics model (its networks,
@@ -83,18 +112,19 @@ class StateForecaster:
             # the step itself, so they wait for the gate (the rings above keep filling).
             return
         mark = worth.clock("forecasting")
+        dynamics = self._built_dynamics()
         h.lr, h.step, h.phase, h.phase_step = lr, step, phase.code, self.controller.phase_step
         h.acceptance_rate = self.controller.acceptance_estimate()
-        errors = self.dynamics.error_report()
+        errors = dynamics.error_report()
         h.prediction_error = errors.get(1, 0.0) / max(self.loss_trend.noise_std, 1e-12) if errors else 0.0
         features = hk.encode_state(h, optimizer_state=optimizer)
         self.normalizer.update(features)
-        self.dynamics.observe(self.normalizer.normalize(features), loss)
+        dynamics.observe(self.normalizer.normalize(features), loss)
         worth.time("forecasting", worth.clock("forecasting") - mark)
-        if real_steps % cfg.dynamics_train_every == 0 and self.dynamics.ready():
+        if real_steps % cfg.dynamics_train_every == 0 and dynamics.ready():
             mark = worth.clock("dynamics_training")
-            self.dynamics.train_step()
-            self.forecast = self.dynamics.forecast(agree=self.agree)
+            dynamics.train_step()
+            self.forecast = dynamics.forecast(agree=self.agree)
             worth.time("dynamics_training", (worth.clock("dynamics_training") - mark) / cfg.dynamics_train_every)
 
     def expected_loss(self, base_loss: float | None, horizon: int) -> float | None:
@@ -107,6 +137,8 @@ class StateForecaster:
         """Confidence that a predict phase of ``horizon`` steps is accepted: geometric mean of the
         measured acceptance estimate and the dynamics model's confidence at that horizon."""
         if predictor.n_scale_fits == 0 or not self.loss_trend.count or not self.worth.passes():
+            return 0.0
+        if self.dynamics is None:  # not built yet: a fresh model has no forecast, whose confidence is 0
             return 0.0
         model_conf = self.dynamics.confidence(self.forecast, horizon, self.loss_trend.noise_std)
         return math.sqrt(self.controller.acceptance_estimate() * model_conf)

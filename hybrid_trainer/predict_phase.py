@@ -24,10 +24,11 @@ from .run_report import StepResult
 from .verifier import verify
 
 
-# The direction is stored in bf16 (half the memory; averaged in fp32 all the same): on
-# Fashion-MNIST and the char-LM the worth estimate moved by at most 6e-5 (of values up to 0.15)
-# and the gate decided at the same step as with fp32 (bench/direction_worth.py, docs/trainer.md).
-DIRECTION_DTYPE = torch.bfloat16
+# The EMA direction is stored in int8 blocks (a quarter of fp32's memory; averaged in fp32 a bucket
+# at a time all the same), the "linear" direction's EMA in bf16 (it reads a float one). What the
+# trainer decides barely moves: python -m bench.direction_worth (docs/trainer.md has the figures).
+DIRECTION_DTYPE = torch.int8
+LINEAR_DIRECTION_DTYPE = torch.bfloat16
 
 
 class PredictPhase:
@@ -60,7 +61,8 @@ class PredictPhase:
         """(Re)make the prediction buffers for ``params``: the update history restarts."""
         cfg = self.config
         self.predictor = DeltaPredictor(params, cfg.direction, cfg.ema_beta, cfg.history_size,
-                                        cfg.scale_beta, cfg.scale_max, direction_dtype=DIRECTION_DTYPE)
+                                        cfg.scale_beta, cfg.scale_max,
+                                        direction_dtype=DIRECTION_DTYPE if cfg.direction == "ema" else LINEAR_DIRECTION_DTYPE)
         # Buffers (e.g. batch-norm statistics): the verification forwards change them too.
         self.anchor = WeightAnchor(params, buffers=buffers)
 

@@ -6,8 +6,9 @@ the optimizer's state (:mod:`~hybrid_trainer.update_recovery`), which spares tha
 history the predictor keeps a *direction* per parameter and a *scale* per parameter tensor:
 
 * direction ``"ema"``: exponential moving average of the updates (averaged in fp32, stored in
-  ``direction_dtype``: fp32, or bf16 as the trainer keeps it), bias-corrected as
-  Adam's moments are, so no single early update outweighs the recent ones.
+  ``direction_dtype``: fp32, bf16, or int8 blocks as the trainer keeps it,
+  :mod:`~hybrid_trainer.int8_direction`), bias-corrected as Adam's moments are, so no single
+  early update outweighs the recent ones.
 * direction ``"linear"``: least-squares slope of the weight trajectory over the last K updates,
   which are stored in int8 (per-block absmax, :func:`hybrid_kernels.quantize_int8`).
 * scale: per tensor, the least-squares fit of the real update onto the direction,
@@ -27,6 +28,7 @@ import torch
 
 import hybrid_kernels as hk
 
+from .int8_direction import Int8BlockVector
 from .update_recovery import CHUNK, AdamUpdateRecovery
 
 _HISTORY_BLOCK = 256  # int8 block size of the stored updates
@@ -53,8 +55,11 @@ class DeltaPredictor:
         history_size: K updates kept in int8 (``"linear"``).
         scale_beta: EMA factor of the per-tensor scale fits.
         scale_max: upper clamp of a scale.
-        direction_dtype: storage of the EMA direction, ``torch.float32`` or ``torch.bfloat16``
-            (half the memory; each recorded step averages in fp32 and rounds once).
+        direction_dtype: storage of the EMA direction, ``torch.float32``, ``torch.bfloat16``
+            (half the memory; each recorded step averages in fp32 and rounds once) or
+            ``torch.int8`` (a quarter: int8 codes with an fp32 absmax scale per 256 values,
+            :class:`~hybrid_trainer.int8_direction.Int8BlockVector`, read and written a bucket
+            of ``update_recovery.CHUNK`` values at a time; ``"ema"`` only).
         batched_reductions: compute the per-tensor dot products as one elementwise pass into a
             scratch buffer plus one segmented sum (a fixed handful of ops whatever the number of
             tensors) instead of a dot per tensor. Default: on CUDA when no parameter tensor
@@ -77,8 +82,11 @@ class DeltaPredictor:
         self.history_size = history_size
         self.scale_beta = scale_beta
         self.scale_max = scale_max
-        if direction_dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"direction_dtype must be torch.float32 or torch.bfloat16, got {direction_dtype}")
+        if direction_dtype not in (torch.float32, torch.bfloat16, torch.int8):
+            raise ValueError(f"direction_dtype must be torch.float32, torch.bfloat16 or torch.int8, got {direction_dtype}")
+        if direction_dtype == torch.int8 and direction != "ema":
+            raise ValueError(f"direction_dtype=torch.int8 stores the 'ema' direction; direction={direction!r} "
+                             "reads a float one (use torch.bfloat16 or torch.float32)")
         self.direction_dtype = direction_dtype
         device = params[0].device
         self.device = device
@@ -89,7 +97,8 @@ class DeltaPredictor:
         # recorded step and freed by release(): a trainer that never predicts, or no longer can,
         # holds none of them.
         self._before_flat: torch.Tensor | None = None
-        self._ema_flat: torch.Tensor | None = None
+        self._ema_flat: torch.Tensor | None = None  # fp32 or bf16 direction
+        self._ema_q: Int8BlockVector | None = None  # the int8 one
         self._before: list[torch.Tensor] = []
         self._ema: list[torch.Tensor] = []
         self._linear_flat: torch.Tensor | None = None
@@ -118,10 +127,13 @@ class DeltaPredictor:
     @property
     def allocated(self) -> bool:
         """Whether the direction buffers exist (from the first recorded step until :meth:`release`)."""
-        return self._ema_flat is not None
+        return self._ema_flat is not None or self._ema_q is not None
 
     def _allocate(self) -> None:
-        if self._ema_flat is None:
+        if self.direction_dtype == torch.int8:
+            if self._ema_q is None:
+                self._ema_q = Int8BlockVector(self.params, self.device)
+        elif self._ema_flat is None:
             self._ema_flat = torch.zeros(self.numel, dtype=self.direction_dtype, device=self.device)
             self._ema = self._views(self._ema_flat)
 
@@ -134,8 +146,8 @@ class DeltaPredictor:
         """The closed-form recovery of ``optimizer``'s updates (None: measure with a before-copy).
         Not with the ``"linear"`` direction (its history quantises the whole update at once) nor
         with batched reductions (a GPU's launch-bound path wants the flat buffers)."""
-        if optimizer is None or self.direction_kind != "ema" or self.batched_reductions:
-            return None
+        if optimizer is None or self.direction_kind != "ema" or (self.batched_reductions and self._ema_q is None):
+            return None  # (the int8 direction is read a bucket at a time whatever the reductions)
         if self._recovery is None or self._recovery.optimizer is not optimizer:
             self._recovery = AdamUpdateRecovery.for_optimizer(optimizer, self.params)
         return self._recovery
@@ -145,6 +157,7 @@ class DeltaPredictor:
         update history starts again at the next :meth:`begin_step`). For a trainer whose
         prediction is off for good: the buffers would otherwise stay allocated for nothing."""
         self._before_flat = self._ema_flat = self._linear_flat = self._scratch_flat = None
+        self._ema_q = None
         self._chunk_scratch = None
         self._recovering = None
         self._before, self._ema, self._linear = [], [], None
@@ -185,6 +198,10 @@ class DeltaPredictor:
         torch._foreach_sub_(self._before, [p.float() if p.dtype != torch.float32 else p for p in self.params])
         update = self._before_flat.neg_()  # now u = θ_after − θ_before
         update_views = self._before
+        if self._ema_q is not None:
+            q = self._ema_q
+            return self._end_bucketed_step(q.buckets, q.piece_lengths, q.piece_params,
+                                           lambda bucket, start, stop: update[start:stop])
 
         # One host read per recorded step for all the statistics below (each read of a GPU
         # value waits for the device).
@@ -222,6 +239,8 @@ class DeltaPredictor:
         before ``begin_step``). None before any update."""
         if self.n_updates == 0 or self._recording:
             return None
+        if self._ema_q is not None:
+            return -float(torch.dot(self.scales, self._int8_dots(grads)))
         direction_flat, direction_views = self.current_direction(refresh=False)
         # Per-tensor dots gathered on the device and read once, not one host read per tensor.
         if self.batched_reductions:
@@ -237,6 +256,17 @@ class DeltaPredictor:
                                 else d.new_zeros((), dtype=torch.float32)
                                 for g, d in zip(grads, direction_views)])
         return -float(torch.dot(self.scales, dots))
+
+    def _int8_dots(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
+        """Per-parameter ``<g_i, d_i>`` against the int8 direction, read a bucket at a time ([n_params] fp32)."""
+        q = self._ema_q
+        dots = self.scales.new_zeros(len(self.params))
+        for bucket, (_, _, pieces) in enumerate(q.buckets):
+            _, directions = q.read(bucket)
+            parts = [torch.dot(grads[i].reshape(-1)[a:b].float(), d) if grads[i] is not None else d.new_zeros(())
+                     for (i, a, b), d in zip(pieces, directions)]
+            dots.index_add_(0, q.piece_params[bucket], torch.stack(parts))
+        return dots
 
     def _scratch(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
         if self._scratch_flat is None:
@@ -269,31 +299,58 @@ class DeltaPredictor:
         """:meth:`end_step` with the update recomputed a bucket at a time into a scratch buffer
         of at most ``update_recovery.CHUNK`` elements: each bucket's dots against the direction are taken before
         it is folded into the EMA, as the measured path does for the whole buffer."""
-        first = self.n_updates == 0
-        weight = (1 - self.ema_beta) / (1 - self.ema_beta ** (self.n_updates + 1))
-        n_params = len(self.params)
-        dots_ud, dots_dd, squares = (self._ema_flat.new_zeros(n_params, dtype=torch.float32) for _ in range(3))
         longest = max(stop - start for start, stop, _ in recovery.buckets)
         if self._chunk_scratch is None or self._chunk_scratch.numel() < longest:
             self._chunk_scratch = torch.empty(longest, dtype=torch.float32, device=self.device)
-        for bucket, (start, stop, _) in enumerate(recovery.buckets):
-            length = stop - start
-            update = self._chunk_scratch[:length]
+
+        def recomputed(bucket: int, start: int, stop: int) -> torch.Tensor:
+            update = self._chunk_scratch[:stop - start]
             recovery.bucket_update(bucket, update)
-            stored = self._ema_flat[start:stop]
-            direction = stored if stored.dtype == torch.float32 else stored.float()  # bucket-sized transient
+            return update
+
+        try:
+            return self._end_bucketed_step(recovery.buckets, recovery.piece_lengths, recovery.piece_params, recomputed)
+        finally:
+            # Freed between recorded steps: kept, it would sit beside the optimizer step's own
+            # transients at the next step's peak (a whole fp32 copy of a small model's weights).
+            self._chunk_scratch = None
+
+    def _end_bucketed_step(self, buckets, piece_lengths, piece_params, update_of) -> UpdateStats:
+        """Fold the update into the EMA direction a bucket at a time (``update_of(bucket, start,
+        stop)``: the bucket's fp32 update), taking each bucket's dots against the direction first.
+        A bf16 or int8 direction is averaged in a bucket-sized fp32 transient and stored rounded."""
+        first = self.n_updates == 0
+        weight = (1 - self.ema_beta) / (1 - self.ema_beta ** (self.n_updates + 1))
+        n_params = len(self.params)
+        dots_ud, dots_dd, squares = (self.scales.new_zeros(n_params) for _ in range(3))
+        quantized = self._ema_q
+        for bucket, (start, stop, _) in enumerate(buckets):
+            update = update_of(bucket, start, stop)
+            lengths, owners = piece_lengths[bucket], piece_params[bucket]
+            if quantized is not None:
+                direction, directions = quantized.read(bucket)  # bucket-sized fp32 transient
+            else:
+                stored = self._ema_flat[start:stop]
+                direction = stored if stored.dtype == torch.float32 else stored.float()  # bucket-sized transient
+                directions = direction.split(lengths)
             # Per-piece dots (a CPU's segment_reduce is a slow scalar loop; a dot is BLAS).
-            lengths, owners = recovery.piece_lengths[bucket], recovery.piece_params[bucket]
             updates = update.split(lengths)
             squares.index_add_(0, owners, torch.stack([torch.dot(u, u) for u in updates]))
             if first:
-                stored.copy_(update)
-                continue
-            directions = direction.split(lengths)
-            dots_ud.index_add_(0, owners, torch.stack([torch.dot(u, d) for u, d in zip(updates, directions)]))
-            dots_dd.index_add_(0, owners, torch.stack([torch.dot(d, d) for d in directions]))
-            direction.lerp_(update, weight)
-            if direction is not stored:
+                if quantized is None:
+                    stored.copy_(update)
+                    continue
+                torch._foreach_copy_(directions, updates)
+            else:
+                dots_ud.index_add_(0, owners, torch.stack([torch.dot(u, d) for u, d in zip(updates, directions)]))
+                dots_dd.index_add_(0, owners, torch.stack([torch.dot(d, d) for d in directions]))
+                if quantized is None:
+                    direction.lerp_(update, weight)
+                else:  # piece by piece: the transient also holds the pads, which stay 0
+                    torch._foreach_lerp_(directions, updates, weight)
+            if quantized is not None:
+                quantized.write(bucket, direction)
+            elif direction is not stored:
                 stored.copy_(direction)
         norm_u = squares.sum().sqrt()
         if first:
@@ -326,9 +383,14 @@ class DeltaPredictor:
 
     @torch.no_grad()
     def current_direction(self, refresh: bool = True) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
-        """(flat, per-parameter views) of the direction; None before any update."""
+        """(flat, per-parameter views) of the direction; None before any update. An int8
+        direction is returned dequantized: a full fp32 copy, for inspection (training reads it a
+        bucket at a time)."""
         if self.n_updates == 0:
             return None
+        if self._ema_q is not None:
+            flat = self._ema_q.dequantized()
+            return flat, self._views(flat)
         if self.direction_kind == "ema" or len(self._history) < 2:
             return self._ema_flat, self._ema
         if self._linear_flat is None:
@@ -350,25 +412,34 @@ class DeltaPredictor:
     @torch.no_grad()
     def apply_predicted_step(self, multiplier: float = 1.0) -> torch.Tensor:
         """Add ``multiplier · scale_i · d_i`` to every parameter in place; returns per-tensor step norms."""
-        direction = self.current_direction(refresh=False)
-        if direction is None:
+        if self.n_updates == 0:
             raise RuntimeError("no update recorded yet: nothing to predict from")
-        flat, views = direction
-        applier = self._appliers.get(flat.data_ptr())
-        if applier is None:
-            applier = self._appliers[flat.data_ptr()] = hk.DeltaApplier(self.params, views)
+        if self._ema_q is not None:  # codes and block scales read by the kernel, dequantized in its pass
+            q = self._ema_q
+            applier = self._appliers.get(q.codes.data_ptr())
+            if applier is None:
+                applier = self._appliers[q.codes.data_ptr()] = hk.DeltaApplier(
+                    self.params, q.code_views, scales=q.scale_views, granularity="block", block_size=q.block)
+        else:
+            flat, views = self.current_direction(refresh=False)
+            applier = self._appliers.get(flat.data_ptr())
+            if applier is None:
+                applier = self._appliers[flat.data_ptr()] = hk.DeltaApplier(self.params, views)
         norms = torch.empty(len(self.params), dtype=torch.float32, device=self.scales.device)
         applier(self.scales * multiplier, out_norms=norms)
         return norms
 
     # -- checkpoint ------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """The recorded history as CPU tensors (``ema`` None while nothing is recorded); a
+        """The recorded history as CPU tensors (``ema`` None while nothing is recorded; an int8
+        direction as its codes without pads, ``[numel]``, and its block scales ``ema_scales``); a
         checkpoint taken under memory pressure must not copy it on the device."""
         cpu = lambda t: t.to("cpu", copy=True)  # noqa: E731
+        q = self._ema_q
         return {
             "numel": self.numel,
-            "ema": None if self._ema_flat is None else cpu(self._ema_flat),
+            "ema": (q.flat_codes().cpu() if q is not None else None if self._ema_flat is None else cpu(self._ema_flat)),
+            "ema_scales": None if q is None else cpu(q.scales),
             "linear": None if self._linear_flat is None else cpu(self._linear_flat),
             "history": [(cpu(c), cpu(s)) for c, s in self._history],
             "scales": cpu(self.scales),
@@ -382,11 +453,24 @@ class DeltaPredictor:
         return int(state["numel"]) if "numel" in state else state["ema"].numel()
 
     def load_state_dict(self, state: dict) -> None:
-        if state["ema"] is None:
+        """Restore :meth:`state_dict`; a direction saved in another dtype is converted (rounded
+        once, or quantized a bucket at a time)."""
+        ema = state["ema"]
+        if ema is None:
             self.release()
         else:
             self._allocate()
-            self._ema_flat.copy_(state["ema"])
+            if ema.dtype == torch.int8:  # saved int8: codes and block scales
+                if self._ema_q is not None:
+                    self._ema_q.load_codes(ema.to(self.device), state["ema_scales"].to(self.device))
+                else:
+                    saved = Int8BlockVector(self.params, torch.device("cpu"))
+                    saved.load_codes(ema, state["ema_scales"])
+                    self._ema_flat.copy_(saved.dequantized())
+            elif self._ema_q is not None:
+                self._ema_q.quantize_from(ema)
+            else:
+                self._ema_flat.copy_(ema)
         if state["linear"] is not None:
             if self._linear_flat is None:
                 self._linear_flat = torch.zeros_like(self._ema_flat, dtype=torch.float32)

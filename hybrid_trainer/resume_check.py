@@ -31,6 +31,7 @@ import torch
 
 from .anchor import buffer_slots
 from .distributed import unwrap
+from .int8_direction import BLOCK
 from .state_registry import check_trains_what_was_saved, without_ddp_prefix
 
 __all__ = ["check_loadable", "SHAPED_FIELDS", "check_config", "check_model", "check_outside_model", "check_optimizer",
@@ -228,9 +229,10 @@ def check_snapshot(saved: dict[str, Any], what: str, params: list[torch.Tensor],
         _require_finite(named, f"the {what}")
 
 
-def check_predictor(saved: dict[str, Any], numel: int, scales_shape: torch.Size) -> None:
-    """The predictor's flat buffers (``numel`` values; absent while nothing was recorded), per-tensor
-    scales and update history fit this trainer's trained tensors."""
+def check_predictor(saved: dict[str, Any], numel: int, scales_shape: torch.Size, blocks: int | None = None) -> None:
+    """The predictor's flat buffers (``numel`` values; absent while nothing was recorded; an int8
+    direction with its ``blocks`` block scales), per-tensor scales and update history fit this
+    trainer's trained tensors."""
     if not isinstance(saved, dict) or not {"ema", "scales", "history"} <= set(saved):
         _fail("'predictor' is not a DeltaPredictor state")
     if not isinstance(saved["scales"], torch.Tensor) or saved["scales"].shape != scales_shape:
@@ -240,6 +242,11 @@ def check_predictor(saved: dict[str, Any], numel: int, scales_shape: torch.Size)
         value = saved.get(key)
         if value is not None and (not isinstance(value, torch.Tensor) or value.numel() != numel):
             _fail(f"predictor {key!r} does not fit the {numel} trained values")
+    if isinstance(saved["ema"], torch.Tensor) and saved["ema"].dtype == torch.int8:  # codes: their block scales too
+        scales = saved.get("ema_scales")
+        if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32 or \
+                (blocks is not None and scales.numel() != blocks):
+            _fail("predictor int8 direction has no block scales that fit the trained tensors")
     history = saved["history"]
     if not isinstance(history, list) or not all(
             isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(t, torch.Tensor) for t in pair)
@@ -285,6 +292,14 @@ def check_loads_into_a_copy(component: Any, saved: Any, what: str, method: str =
         raise ValueError(f"checkpoint: {what!r} does not load: {type(error).__name__}: {error}") from error
 
 
+def _dynamics_to_check(trainer) -> Any:
+    """The dynamics model a saved one must load into: the run's own, or, before its first use built
+    it, a fresh one (the load builds it then); None for a run that never predicts."""
+    if trainer.dynamics is not None:
+        return trainer.dynamics
+    return trainer.forecaster.new_dynamics() if trainer.forecaster.config.predict else None
+
+
 def check_loadable(trainer, state: dict[str, Any]) -> None:
     """Raise ``ValueError`` naming what in ``state`` (an upgraded, current-version checkpoint) does not
     fit ``trainer`` (a :class:`~hybrid_trainer.HybridTrainer`), before its ``load_state_dict``
@@ -301,7 +316,8 @@ def check_loadable(trainer, state: dict[str, Any]) -> None:
     check_outside_model(state["outside_model"], trainer.trained.outside_model)
     names = {id(p): repr(n) for n, p in module.named_parameters()}
     check_optimizer(state["optimizer"], trainer.optimizer, state["optimizer_class"], names)
-    check_predictor(state["predictor"], trainer.predictor.numel, trainer.predictor.scales.shape)
+    check_predictor(state["predictor"], trainer.predictor.numel, trainer.predictor.scales.shape,
+                    blocks=sum(-(-n // BLOCK) for n in trainer.predictor.sizes))
     buffers = [owner._buffers[name] for owner, name in buffer_slots(module)]
     check_snapshot(state["anchor"], "anchor", trainer.params, buffers, finite=False)
     check_snapshot(state["good_state"], "good_state", trainer.params, buffers, finite=True)
@@ -311,7 +327,8 @@ def check_loadable(trainer, state: dict[str, Any]) -> None:
             and set(state["scheduler"]) != set(trainer.scheduler.state_dict()):
         raise ValueError(f"checkpoint: 'scheduler' is not the state of a {type(trainer.scheduler).__name__}")
     small = [("history", trainer.history, "load_state_dict"), ("normalizer", trainer.normalizer, "load_state_dict"),
-             ("dynamics", trainer.dynamics, "load_full_state_dict"), ("monitor", trainer.monitor, "load_state_dict"),
+             ("dynamics", _dynamics_to_check(trainer), "load_full_state_dict"),
+             ("monitor", trainer.monitor, "load_state_dict"),
              ("controller", trainer.controller, "load_state_dict"), ("loss_trend", trainer.loss_trend, "load_state_dict"),
              ("stats", trainer.stats, "load_state_dict")]
     if trainer.scaler is not None and state["scaler"] is not None:

@@ -181,7 +181,8 @@ def trainer_registry(trainer: Any) -> StateRegistry:
                            on_missing=lambda: setattr(t, "weight_average", WeightAverage(t.params)))
     reg.register_component("history", lambda: t.forecaster.history)
     reg.register_component("normalizer", lambda: t.forecaster.normalizer)
-    reg.register_component("dynamics", lambda: t.forecaster.dynamics, full=True)
+    # Built at first use: saved as None until then; loading builds it (or drops one built here).
+    reg.register("dynamics", lambda: t.forecaster.dynamics_state(), lambda v: t.forecaster.load_dynamics_state(v))
     reg.register_component("monitor", lambda: t.guard.monitor)
     reg.register_component("controller", lambda: t.controller)
     reg.register_component("loss_trend", lambda: t.loss_trend)

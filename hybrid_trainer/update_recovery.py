@@ -30,6 +30,43 @@ import torch
 # Elements recomputed at a time: the transient memory of the recovery (4 MB of fp32), small next
 # to the copy of the weights it replaces, large enough that the per-chunk ops cost nothing.
 CHUNK = 1 << 20
+# A model of fewer than 8 CHUNKs is cut into 8 buckets instead (at least MIN_CHUNK values, a
+# multiple of CHUNK_ALIGN): a bucket the size of the whole model made the recording's fp32
+# transients (the update, the direction read back, its quantization) three copies of the weights
+# on the small models, more than the plain loop's own step transients (bench.overhead).
+MIN_CHUNK = 1 << 14
+CHUNK_ALIGN = 1 << 12  # a multiple of every block size the predictor quantizes in (256)
+
+
+def chunk_for(total: int) -> int:
+    """Bucket length for tensors of ``total`` values in all (see ``MIN_CHUNK``)."""
+    return min(CHUNK, max(MIN_CHUNK, -(-total // (8 * CHUNK_ALIGN)) * CHUNK_ALIGN))
+
+
+Bucket = tuple[int, int, list[tuple[int, int, int]]]
+
+
+def flat_buckets(sizes: list[int]) -> list[Bucket]:
+    """Tensors of ``sizes`` elements laid end to end, cut into buckets of at most
+    ``chunk_for(sum(sizes))`` elements: ``(flat start, flat stop, pieces)``, a piece ``(tensor
+    index, start, stop)`` within its tensor. Consecutive small tensors share a bucket; a large one
+    is split over several, at multiples of the chunk from its start (so a piece starts on a block
+    boundary of any block size dividing ``CHUNK_ALIGN``: the predictor's int8 direction relies on that)."""
+    chunk = chunk_for(sum(sizes))
+    buckets: list[Bucket] = []
+    pieces: list[tuple[int, int, int]] = []
+    bucket_start = offset = 0
+    for index, numel in enumerate(sizes):
+        for start in range(0, numel, chunk):
+            stop = min(start + chunk, numel)
+            if offset + stop - start - bucket_start > chunk:
+                buckets.append((bucket_start, offset, pieces))
+                pieces, bucket_start = [], offset
+            pieces.append((index, start, stop))
+            offset += stop - start
+    if pieces:
+        buckets.append((bucket_start, offset, pieces))
+    return buckets
 
 
 class AdamUpdateRecovery:
@@ -52,19 +89,7 @@ class AdamUpdateRecovery:
         group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
         self._groups = [group_of[id(p)] for p in params]
         self._captured: list[list | None] = []  # per param: lr, β₁, β₂, ε, wd, decoupled, amsgrad, t
-        # buckets[k] = (flat start, flat stop, pieces), piece = (param index, start, stop) within the param
-        self.buckets: list[tuple[int, int, list[tuple[int, int, int]]]] = []
-        pieces, bucket_start, offset = [], 0, 0
-        for index, p in enumerate(params):
-            for start in range(0, p.numel(), CHUNK):
-                stop = min(start + CHUNK, p.numel())
-                if offset + stop - start - bucket_start > CHUNK:
-                    self.buckets.append((bucket_start, offset, pieces))
-                    pieces, bucket_start = [], offset
-                pieces.append((index, start, stop))
-                offset += stop - start
-        if pieces:
-            self.buckets.append((bucket_start, offset, pieces))
+        self.buckets = flat_buckets([p.numel() for p in params])
         device = params[0].device if params else torch.device("cpu")
         # Per bucket: its pieces' lengths (to split it) and the param each belongs to (to sum per param).
         self.piece_lengths = [[stop - start for _, start, stop in pieces] for _, _, pieces in self.buckets]

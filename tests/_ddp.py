@@ -96,7 +96,35 @@ def record(result) -> tuple:
 
 def _outcome(trainer, records: list) -> dict:
     return {"records": records, "weights": [p.detach().clone() for p in trainer.params],
-            "stats": trainer.statistics(), "cost": None if trainer.cost is None else dict(trainer.cost.seconds)}
+            "stats": trainer.statistics(), "cost": None if trainer.cost is None else dict(trainer.cost.seconds),
+            "dynamics_perturbed": getattr(trainer, "dynamics_perturbed", None)}
+
+
+def _perturb_dynamics_when_built(trainer) -> None:
+    """Move the dynamics model's networks off their seeded weights the moment they are built (the
+    forecaster builds the model when the worth gate first passes, the model its networks at its
+    first training step), and count it in ``trainer.dynamics_perturbed``."""
+    forecaster = trainer.forecaster
+    trainer.dynamics_perturbed = 0
+    make = forecaster.new_dynamics
+
+    def new_dynamics():
+        dynamics = make()
+        build = dynamics._build
+
+        def perturbed_build():
+            fresh = not dynamics.built
+            build()
+            if fresh:
+                with torch.no_grad():
+                    for p in dynamics.parameters():
+                        p.add_(torch.randn_like(p), alpha=0.05)
+                trainer.dynamics_perturbed += 1
+
+        dynamics._build = perturbed_build
+        return dynamics
+
+    forecaster.new_dynamics = new_dynamics
 
 
 def train(rank: int, world: int, out_dir: str, steps: int, config: dict, nan_step: int | None = None,
@@ -106,9 +134,7 @@ def train(rank: int, world: int, out_dir: str, steps: int, config: dict, nan_ste
     weights, standing in for nondeterministic GPU kernels that let the ranks' models drift."""
     trainer = _trainer(rank, config, accumulation=accumulation)
     if perturb_dynamics and rank == 1:
-        with torch.no_grad():
-            for p in trainer.dynamics.parameters():
-                p.add_(torch.randn_like(p), alpha=0.05)
+        _perturb_dynamics_when_built(trainer)
     no_sync_entries = [0]
     original_no_sync = trainer.model.no_sync
 

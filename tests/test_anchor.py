@@ -94,3 +94,79 @@ def test_file_restore_puts_back_a_buffer_reassigned_with_another_shape_and_a_dro
 def test_unknown_storage_is_refused():
     with pytest.raises(ValueError, match="storage"):
         WeightAnchor([torch.zeros(2)], storage="disk")
+
+
+def _torchao_state(params):
+    """An optimizer whose state is torchao's quantized moments (OptimState8bit for the first
+    moment, OptimState4bit for the second), filled with random codes and scales as a step would
+    leave them: built directly, so no torchao step (which compiles) is needed."""
+    subclass_8bit = pytest.importorskip("torchao.optim.subclass_8bit")
+    subclass_4bit = pytest.importorskip("torchao.optim.subclass_4bit")
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    for p in params:
+        m = subclass_8bit.OptimState8bit.zeros(p.shape, signed=True, block_size=128)
+        v = subclass_4bit.OptimState4bit.zeros(p.shape, signed=False, block_size=128)
+        optimizer.state[p] = {"exp_avg": m, "exp_avg_sq": v, "step": torch.tensor(3.0)}
+    _scramble(optimizer)
+    return optimizer
+
+
+def _scramble(optimizer):
+    """Changes every code and scale in place, as an optimizer step does."""
+    for state in optimizer.state.values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            state[key].codes.copy_(torch.randint(0, 256, state[key].codes.shape, dtype=torch.uint8))
+            state[key].scale.copy_(torch.rand(state[key].scale.shape))
+        state["step"] += 1
+
+
+def _inner(optimizer):
+    return [(state[key].codes.clone(), state[key].scale.clone(), state["step"].clone())
+            for state in optimizer.state.values() for key in ("exp_avg", "exp_avg_sq")]
+
+
+def _same(a, b):
+    return len(a) == len(b) and all(torch.equal(x, y) for pa, pb in zip(a, b) for x, y in zip(pa, pb))
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_torchao_quantized_optimizer_state_is_restored_bit_exactly_in_place(storage):
+    """torchao's 8/4-bit state (tensor subclasses with no empty_like, clone or byte view) is
+    snapshotted through its inner tensors: restored bit for bit into the optimizer's own objects,
+    and rebuilt when the optimizer replaced one with another layout since the snapshot."""
+    params = [torch.nn.Parameter(torch.randn(16, 32)), torch.nn.Parameter(torch.randn(256))]
+    optimizer = _torchao_state(params)
+    anchor = WeightAnchor(params, storage=storage)
+    anchor.save(5, optimizer)
+    saved = _inner(optimizer)
+    objects = [(id(s["exp_avg"]), s["exp_avg"].codes.data_ptr()) for s in optimizer.state.values()]
+    _scramble(optimizer)
+    assert not _same(_inner(optimizer), saved)
+    anchor.restore(optimizer)
+    assert _same(_inner(optimizer), saved)
+    assert objects == [(id(s["exp_avg"]), s["exp_avg"].codes.data_ptr()) for s in optimizer.state.values()]
+    # another block size (other scale shape): the snapshot rebuilds the saved object
+    subclass_8bit = pytest.importorskip("torchao.optim.subclass_8bit")
+    optimizer.state[params[1]]["exp_avg"] = subclass_8bit.OptimState8bit.zeros((256,), signed=True, block_size=256)
+    anchor.restore(optimizer)
+    assert _same(_inner(optimizer), saved)
+    restored = optimizer.state[params[1]]["exp_avg"]
+    assert type(restored) is subclass_8bit.OptimState8bit and restored.block_size == 128
+
+
+@pytest.mark.parametrize("source, target", [("file", "device"), ("device", "file")])
+def test_torchao_state_survives_the_anchor_state_dict(source, target):
+    """The snapshot's state dict (what a checkpoint stores) holds torchao objects again, on the
+    CPU; loaded into another anchor it restores the same bits."""
+    params = [torch.nn.Parameter(torch.randn(16, 32))]
+    optimizer = _torchao_state(params)
+    anchor = WeightAnchor(params, storage=source)
+    anchor.save(2, optimizer)
+    saved = _inner(optimizer)
+    state = anchor.state_dict()
+    assert type(state["optimizer"][0]["exp_avg"]) is type(optimizer.state[params[0]]["exp_avg"])
+    other = WeightAnchor(params, storage=target)
+    other.load_state_dict(state)
+    _scramble(optimizer)
+    other.restore(optimizer)
+    assert _same(_inner(optimizer), saved)

@@ -38,3 +38,20 @@ def test_reports_render():
     text = big_markdown({"command": "c", "commit": "abcdef1234", "date": "d", "machine": "m", "big": [row]})
     assert "4.000B" in text and "13.00 GiB" in text and "4.400 → 3.000" in text
     assert "Capacity" in markdown({"commit": "abcdef1234", "date": "d", "machine": "m"})
+
+
+def test_eager_sweep_report_renders():
+    from bench.capacity import EAGER_ARMS, EAGER_SHAPES
+
+    plan = {"techniques": [], "bytes_per_param": 3.06, "breakdown": {"activations": 2**20}}
+    row = {"label": "in-backward + 4-bit + bf16", "arm": "in-backward + 4-bit + bf16", "built_in": "bfloat16",
+           "size": "25M", "parameters": 25_000_000, "construct_peak_rss": 500 * 2**20, "step_peak_rss": 520 * 2**20,
+           "peak_rss": 520 * 2**20, "predicted_peak": 510 * 2**20, "plan": plan}
+    fit = {"bytes_per_param": 3.5, "step_bytes_per_param": 3.4, "state_bytes_per_param": 3.1,
+           "activation_bytes_per_param": 0.3, "plan_bytes_per_param": 3.06, "predicted_bytes_per_param": 3.3,
+           "max_abs_prediction_error": 0.02, "step_seconds_largest": 9.0, "step_time_factor": 1.5}
+    assert set(EAGER_SHAPES) == {"25M", "125M", "350M"} and "fp32 AdamW" in EAGER_ARMS
+    text = markdown({"commit": "abcdef1234", "date": "d", "machine": "m",
+                     "eager_sweep": {"rows": [row], "fits": {row["label"]: fit}, "steps": 3, "shapes": EAGER_SHAPES}})
+    assert "| in-backward + 4-bit + bf16 | bfloat16 | 3.50 | 3.40 | 3.10 | 0.30 | 3.06 |" in text
+    assert "| 25M | 25.0M | 500 MiB | 520 MiB | 1 MiB | 510 MiB |" in text

@@ -71,6 +71,41 @@ def test_state_round_trip_gives_identical_forecasts():
     assert torch.equal(a.forecast(score=False)["mean"], b.forecast(score=False)["mean"])
 
 
+def test_the_networks_are_built_by_the_first_training_step_with_the_weights_an_eager_build_draws():
+    """Observing needs only the replay; the GRUs and their Adam state come with the first training
+    step, drawn from the model's own seeded generator: the same weights whenever they are built."""
+    def model():
+        return DynamicsModel(hidden=16, ensemble=2, horizon=4, window=3, batch=4, seed=5)
+
+    late, early = model(), model()
+    early._build()  # as the model was built before: at construction
+    for t in range(20):
+        for m in (late, early):
+            m.observe(state(t), trajectory(t))
+    assert not late.built and not list(late.parameters())
+    unbuilt = late.full_state_dict()
+    assert unbuilt["params"] == {} and unbuilt["optimizer"] is None
+    for m in (late, early):
+        m.train_step()
+    assert late.built and all(torch.equal(a, b) for a, b in zip(late.state_dict().values(), early.state_dict().values()))
+    assert torch.equal(late.forecast(score=False)["mean"], early.forecast(score=False)["mean"])
+    late.load_full_state_dict(unbuilt)  # a state saved before the build: the networks go
+    assert not late.built and not list(late.parameters())
+
+
+def test_the_replay_grows_with_the_steps_and_wraps_at_its_capacity():
+    model = DynamicsModel(hidden=8, ensemble=1, horizon=2, window=3, capacity=40, seed=0)
+    for t in range(5):
+        model.observe(state(t), trajectory(t))
+    assert model.states.shape[0] == 16  # a few steps keep a few rows, not the capacity
+    for t in range(5, 95):
+        model.observe(state(t), trajectory(t))
+    assert model.states.shape[0] == 40
+    windows = model._window_at(torch.tensor([94, 60]))  # the last steps, across the wrap
+    for row, end in zip(windows, (94, 60)):
+        assert torch.equal(row, torch.stack([state(t) for t in range(end - 2, end + 1)]))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_forecast_on_a_gpu_comes_back_on_the_host_in_one_piece():
     """Its consumers are host logic: a forecast left on the GPU cost one device wait per float()."""

@@ -2,6 +2,7 @@
 import json
 
 import pytest
+import torch
 
 from bench import overhead
 
@@ -13,6 +14,53 @@ def test_compare_divides_and_subtracts_the_measurements():
     assert c["time_ratio"] == pytest.approx(1.03) and c["overhead_us"] == pytest.approx(30.0)
     assert c["real_step_ratio"] == pytest.approx(1.1) and c["real_step_overhead_us"] == pytest.approx(100.0)
     assert c["memory_ratio"] == pytest.approx(1.05) and c["extra_bytes"] == 200_000
+    assert c["memory_basis"] == "rss"  # no tensor peak measured: the RSS one
+
+
+def test_the_memory_ratio_is_the_tensor_peaks_where_rss_cannot_resolve_it():
+    small = overhead.RSS_RESOLVES_BYTES / 2
+    plain = {"memory": {"training_bytes": small}, "tensors": {"tensor_peak_bytes": 2_000_000}}
+    arm = {"memory": {"training_bytes": small * 1.5}, "tensors": {"tensor_peak_bytes": 2_040_000}}
+    c = overhead.compare(plain, arm)
+    assert c["rss_ratio"] == pytest.approx(1.5) and c["tensor_ratio"] == pytest.approx(1.02)
+    assert c["memory_basis"] == "tensors" and c["memory_ratio"] == pytest.approx(1.02) and c["extra_bytes"] == 40_000
+    big = overhead.RSS_RESOLVES_BYTES * 2
+    plain["memory"]["training_bytes"], arm["memory"]["training_bytes"] = big, big * 1.05
+    c = overhead.compare(plain, arm)
+    assert c["memory_basis"] == "rss" and c["memory_ratio"] == pytest.approx(1.05)
+
+
+def test_tensor_peak_is_exact_on_a_known_sequence_of_allocations():
+    keep = torch.empty(250_000)  # allocated before: not in the peak, and its free is not reported
+    with overhead.TensorPeak() as peak:
+        a = torch.empty(1_000_000)  # 4 MB live
+        b = torch.empty(2_000_000)  # 12 MB live: the peak
+        del a  # 8 MB
+        c = torch.ones(500_000)  # 10 MB
+        del b, keep
+    assert peak.peak_bytes == 12_000_000
+    assert peak.end_bytes == 2_000_000 == c.numel() * 4
+
+
+def test_tensor_peak_of_a_plain_adamw_loop_is_its_state_plus_the_steps_transients():
+    """The plain loop's end state is exactly weights + gradients + two moments; its peak adds the
+    activations (a few kB here) and the optimizer step's transients: single-tensor AdamW computes
+    ``exp_avg_sq.sqrt() / bias_correction`` per parameter, two temporaries of the largest one."""
+    torch.manual_seed(0)
+    with overhead.TensorPeak() as peak:
+        model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+        x, y = torch.randn(4, 512), torch.randint(0, 10, (4,))
+        for _ in range(3):
+            optimizer.zero_grad(set_to_none=True)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        del x, y
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    steps = sum(s["step"].numel() * 4 for s in optimizer.state.values())  # the step counters are CPU tensors too
+    assert peak.end_bytes == 4 * weights + steps  # weights, gradients, exp_avg, exp_avg_sq
+    largest = max(p.numel() * 4 for p in model.parameters())
+    assert 2 * largest <= peak.peak_bytes - peak.end_bytes <= 2 * largest + 64_000
 
 
 @pytest.mark.slow
@@ -34,8 +82,10 @@ def test_quick_run_reports_every_arm_with_ratios_from_its_measurements(tmp_path)
         assert arm["time"]["chunk"] == 5
         assert c["time_ratio"] == pytest.approx(arm["time"]["chunk_median_us"] / plain["time"]["chunk_median_us"])
         assert c["overhead_us"] == pytest.approx(arm["time"]["chunk_median_us"] - plain["time"]["chunk_median_us"])
-        assert c["memory_ratio"] == pytest.approx(arm["memory"]["training_bytes"] / plain["memory"]["training_bytes"])
-        assert c["extra_bytes"] == arm["memory"]["training_bytes"] - plain["memory"]["training_bytes"]
+        assert c["rss_ratio"] == pytest.approx(arm["memory"]["training_bytes"] / plain["memory"]["training_bytes"])
+        assert c["rss_extra_bytes"] == arm["memory"]["training_bytes"] - plain["memory"]["training_bytes"]
+        assert c["tensor_ratio"] == pytest.approx(arm["tensors"]["tensor_peak_bytes"] / plain["tensors"]["tensor_peak_bytes"])
+        assert c["memory_basis"] == "tensors" and c["memory_ratio"] == c["tensor_ratio"]  # a tiny model's RSS cannot resolve it
         assert arm["memory"]["trainer_tensor_bytes"]["total"] >= 0
     parts = results["models"]["tiny"]["breakdown"]
     assert parts["arm"] == "predict=False" and parts["parts_us"]["gradient norm (guard)"] > 0

@@ -808,7 +808,7 @@ def test_warmup_steps_record_nothing_for_prediction(stream):
     for i in range(12):
         assert trainer.controller.phase is Phase.WARMUP
         trainer.step(stream[i])
-    assert trainer.predictor.n_updates == 0 and trainer.predicted_worth is None and trainer.dynamics.count == 0
+    assert trainer.predictor.n_updates == 0 and trainer.predicted_worth is None and trainer.dynamics is None  # not built
     assert trainer.stats.optimizer_steps == 12
     trainer.step(stream[12])  # first FULL step records
     assert trainer.predictor.n_updates == 1

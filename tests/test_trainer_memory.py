@@ -11,7 +11,7 @@ from hybrid_trainer.lowbit_adamw import LowBitAdamW
 
 from _configs import ALWAYS, FAST
 from _digits import batches, cross_entropy, digits_tensors, mlp
-from _resume import assert_resume_reproduces
+from _resume import assert_resume_reproduces, assert_same_state, copy_state_value
 from _rollback import reject_a_prediction_and_check_the_optimizer_untouched
 
 pytestmark = pytest.mark.usefixtures("eager_backend")  # the CPU path, not the Triton interpreter
@@ -193,8 +193,10 @@ def _third_party_trainer(kind, seed=0, **overrides):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["bnb8", "galore", "apollo"])
+@pytest.mark.parametrize("kind", ["bnb8", "galore", "apollo", "torchao8", "torchao4"])
 def test_third_party_optimizers_roll_back_and_resume(kind, stream, tmp_path):
+    """torchao keeps its moments in tensor subclasses (OptimState8bit/4bit) with no empty_like,
+    clone or copy into a plain tensor; the snapshots copy their inner tensors instead."""
     pytest.importorskip(THIRD_PARTY[kind][0].split(".")[0])
     trainer = _third_party_trainer(kind, **ALWAYS, loss_tolerance=0.0, noise_z=0.0)
     reject_a_prediction_and_check_the_optimizer_untouched(trainer, stream)
@@ -204,21 +206,24 @@ def test_third_party_optimizers_roll_back_and_resume(kind, stream, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["torchao8", "torchao4"])
-def test_torchao_optimizers_resume_without_snapshots(kind, stream, tmp_path):
-    """torchao keeps its moments in tensor subclasses (OptimState8bit/4bit) that implement no
-    empty_like, clone or copy_, so the trainer's snapshots of optimizer state (divergence
-    rollback, good_state_every > 0) cannot copy them (docs/memory.md); checkpoints and resume
-    work, with snapshots off."""
+def test_torchao_good_state_restores_the_quantized_moments(kind, stream):
+    """Divergence rollback restores the good state's optimizer state: torchao's codes and scales
+    bit for bit, into the optimizer's own objects, which then go on stepping."""
     pytest.importorskip("torchao")
-    overrides = dict(predict=False, good_state_every=0)
-    reference = _third_party_trainer(kind, **overrides)
-    ref = [reference.step(b).loss for b in stream[:16]]
-    first = _third_party_trainer(kind, **overrides)
-    for b in stream[:8]:
-        first.step(b)
-    first.save(tmp_path / "ckpt.pt")
-    resumed = _third_party_trainer(kind, seed=7, **overrides)
-    resumed.load(tmp_path / "ckpt.pt")
-    assert [resumed.step(b).loss for b in stream[8:16]] == ref[8:]
-    for p, q in zip(reference.params, resumed.params):
-        assert torch.equal(p, q)
+    trainer = _third_party_trainer(kind, predict=False, good_state_every=3)
+    for b in stream[:4]:  # the good state is saved after real steps 1 and 4
+        trainer.step(b)
+    assert trainer.good_state.step == 3
+    weights = [p.detach().clone() for p in trainer.params]
+    state = {id(p): {k: copy_state_value(v) for k, v in trainer.optimizer.state[p].items()} for p in trainer.params}
+    objects = [id(trainer.optimizer.state[p]["exp_avg"]) for p in trainer.params]
+    for b in stream[4:6]:
+        trainer.step(b)
+    trainer.good_state.restore(trainer.optimizer)
+    for p, saved in zip(trainer.params, weights):
+        assert torch.equal(p, saved)
+    for p in trainer.params:
+        for key, value in state[id(p)].items():
+            assert_same_state(trainer.optimizer.state[p][key], value, key)
+    assert objects == [id(trainer.optimizer.state[p]["exp_avg"]) for p in trainer.params]
+    assert trainer.step(stream[6]).loss is not None

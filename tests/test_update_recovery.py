@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hybrid_trainer.predictor import DeltaPredictor
-from hybrid_trainer.update_recovery import CHUNK, AdamUpdateRecovery
+from hybrid_trainer.update_recovery import CHUNK, CHUNK_ALIGN, MIN_CHUNK, AdamUpdateRecovery, chunk_for
 
 
 def _model_params(seed=0):
@@ -76,8 +76,13 @@ def test_buckets_split_a_large_tensor_and_group_small_ones():
               torch.randn(3, 5, requires_grad=True)]
     optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
     recovery = AdamUpdateRecovery.for_optimizer(optimizer, params)
-    assert all(stop - start <= CHUNK for start, stop, _ in recovery.buckets) and len(recovery.buckets) == 3  # [7], [CHUNK], [1000 + 15]
-    assert recovery.buckets[-1][1] == sum(p.numel() for p in params)
+    chunk = chunk_for(sum(p.numel() for p in params))  # an eighth of this model, under 8 CHUNKs
+    assert chunk < CHUNK and chunk % CHUNK_ALIGN == 0
+    assert all(stop - start <= chunk for start, stop, _ in recovery.buckets)
+    big_pieces = [(start, stop) for _, _, pieces in recovery.buckets for index, start, stop in pieces if index == 1]
+    assert big_pieces == [(a, min(a + chunk, CHUNK + 1000)) for a in range(0, CHUNK + 1000, chunk)]  # split at chunks
+    assert recovery.buckets[0][2] == [(0, 0, 7)]  # the big tensor's first piece would overflow it
+    assert recovery.buckets[-1][2][-1] == (2, 0, 15) and recovery.buckets[-1][1] == sum(p.numel() for p in params)
     for p in params:
         p.grad = torch.randn_like(p)
     before = torch.cat([p.detach().reshape(-1) for p in params])
@@ -158,3 +163,10 @@ def test_bf16_direction_is_the_fp32_one_rounded_and_loads_an_fp32_checkpoint():
 def test_direction_dtype_is_checked():
     with pytest.raises(ValueError, match="direction_dtype"):
         DeltaPredictor(_model_params(), direction_dtype=torch.float16)
+
+
+def test_a_small_model_is_recovered_in_eight_buckets_a_large_one_in_chunks():
+    """The bucket is the recording's transient: a whole small model in one would be a copy of it."""
+    assert chunk_for(100 * CHUNK) == CHUNK and chunk_for(8 * CHUNK) == CHUNK
+    assert chunk_for(1000) == MIN_CHUNK
+    assert chunk_for(540_000) == 69_632 and 8 * 69_632 >= 540_000 > 7 * 69_632
