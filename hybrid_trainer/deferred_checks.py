@@ -134,25 +134,12 @@ class DeferredChecks:
                 continue
             result.skipped = True
             result.divergence = "; ".join(report.reasons) or report.severity.name
-            stats.skipped_steps += 1
             stats.optimizer_steps -= 1
-            non_finite = not math.isfinite(loss_value) or (norm_value is not None and not math.isfinite(norm_value))
-            if non_finite:  # skipped where it ran, its buffers put back there
-                stalled = monitor.record_refusal()
-                bad = guard.non_finite_state()
-                if not (bad or stalled):
-                    continue
-                why = result.divergence
-                reason = f"{monitor.refused_in_a_row} steps in a row refused (last: {why})" if stalled else \
-                    f"step refused ({why})"
-                guard.escalate(reason, bad, result.step)  # restores the good state once, or raises
-            else:
-                guard.good_state.restore(guard.optimizer)  # weights, optimizer state and buffers
-                stats.divergence_rollbacks += 1
-                monitor.rewind_window()
-                if monitor.record_refusal():
-                    guard.escalate(f"{monitor.refused_in_a_row} steps in a row refused (last: {result.divergence})",
-                                   [], result.step)
+            # The per-step refusal's judgment: a spike goes back to the good state; a non-finite
+            # step (skipped where it ran) only escalates when the state itself is non-finite or
+            # refusals pile up.
+            if not guard.refuse_update(loss_value, norm_value, report, result.step, judged_later=True):
+                continue
             result.rolled_back = True
             for later, _, _ in pending[index + 1:]:  # trained on from the weights just abandoned
                 later.skipped = later.rolled_back = True

@@ -163,15 +163,8 @@ class StepGuard:
         ``good_state_every`` steps have passed since the last one (or escalate, as
         :meth:`accept` does, if something in it is non-finite)."""
         every = self.config.good_state_every
-        if not every or (self.good_state.step is not None and step - self.good_state.step < every):
-            return
-        bad = self.non_finite_state()
-        if bad:
-            self.escalate("non-finite values where the good state was to be taken", bad, step)
-            return
-        self.good_state.save(step, self.optimizer)
-        self.monitor.remember_window()
-        self.stall_restored = False
+        if every and (self.good_state.step is None or step - self.good_state.step >= every):
+            self._take_good_state(step)
 
     def grad_norm(self) -> torch.Tensor | None:
         """Global gradient norm as a 0-d device tensor (before clipping, which it applies when
@@ -244,16 +237,22 @@ class StepGuard:
             grad_norm = None  # fp16 overflow: the GradScaler skips this step by itself
         return self.monitor.check(loss, grad_norm)
 
-    def refuse_update(self, loss: float, grad_norm: float | None, report: Any = None, step: int | None = None) -> bool:
+    def refuse_update(self, loss: float, grad_norm: float | None, report: Any = None, step: int | None = None,
+                      judged_later: bool = False) -> bool:
         """A critical divergence: the update is not applied; weights go back to the last good
         state if they are already off (a loss spike), the buffers to where the step's forward
         found them otherwise. Escalates when the guard cannot make progress (module docstring).
-        Returns whether the weights were rolled back; raises :class:`TrainingStalledError`."""
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.scaler is not None:
-            # unscale_ ran this step; without an update() the next step's unscale_ would raise.
-            # The update also backs the scale off when the gradients overflowed.
-            self.scaler.update()
+        Returns whether the weights were rolled back; raises :class:`TrainingStalledError`.
+
+        ``judged_later``: the step's checks waited (:mod:`~hybrid_trainer.deferred_checks`); its
+        non-finite update was skipped and its buffers put back where it ran, and its gradients
+        are gone, so only the judgment is left to do."""
+        if not judged_later:
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.scaler is not None:
+                # unscale_ ran this step; without an update() the next step's unscale_ would raise.
+                # The update also backs the scale off when the gradients overflowed.
+                self.scaler.update()
         self.stats.skipped_steps += 1
         non_finite = not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm))
         rolled_back = False
@@ -262,7 +261,7 @@ class StepGuard:
             self.stats.divergence_rollbacks += 1
             self.monitor.rewind_window()  # the next steps are judged by the good state's window
             rolled_back = True
-        else:
+        elif not judged_later:
             self.buffers_before.restore()  # the refused forward's trace in batch-norm statistics
         stalled = self.monitor.record_refusal()
         # A non-finite loss is most often the batch's; it is the state's when the weights (or
@@ -285,13 +284,19 @@ class StepGuard:
         self.monitor.observe(loss, grad_norm)
         every = self.config.good_state_every
         if every and (real_steps % every == 1 or not self.good_state.is_set) and severity is Severity.OK:
-            bad = self.non_finite_state()
-            if bad:
-                self.escalate("non-finite values where the good state was to be taken", bad, step)
-                return True
-            self.good_state.save(step, self.optimizer)
-            self.monitor.remember_window()
-            self.stall_restored = False
+            return self._take_good_state(step)
+        return False
+
+    def _take_good_state(self, step: int) -> bool:
+        """Snapshot the good state at ``step``, or escalate if something in it is non-finite
+        (a snapshot never holds a NaN). Returns whether escalating rolled the weights back."""
+        bad = self.non_finite_state()
+        if bad:
+            self.escalate("non-finite values where the good state was to be taken", bad, step)
+            return True
+        self.good_state.save(step, self.optimizer)
+        self.monitor.remember_window()
+        self.stall_restored = False
         return False
 
     def non_finite_state(self) -> list[str]:

@@ -276,7 +276,7 @@ class HybridTrainer:
         started = worth.clock("core") if record else time.perf_counter()
         worth.machinery_s = 0.0  # time spent on prediction machinery during this step
         # With prediction off the guard may read this step's values later (deferred_checks).
-        deferring = (guard.deferred is not None and not self.controller.prediction_enabled and guard.defers()
+        deferring = (guard.defers() and not self.controller.prediction_enabled
                      and self.in_backward is None and self.nowcast is None and self.weight_average is None)
         if not deferring:
             self._settle()  # steps whose checks waited are judged before this one is
