@@ -348,10 +348,7 @@ class DivergenceMonitor:
     def check_oscillation_once(self) -> bool:
         """The oscillation test on the accepted losses as they are now, counted as one warning
         when it fires (a block of steps read at once is looked at once)."""
-        share = self.oscillation_share()
-        if share is None or share <= self.oscillation_threshold:
-            return False
-        if self._slope(self._oscillation_points(None)) < 0:
+        if not self._check_oscillation(None):
             return False
         self.counts["oscillation"] += 1
         return True
@@ -512,7 +509,8 @@ class DivergenceMonitor:
         denominator = sum((i - x_mean) ** 2 for i in range(n))
         return numerator / denominator
 
-    def _check_oscillation(self, loss: float) -> list[tuple[Severity, str, str]]:
+    def _check_oscillation(self, loss: float | None) -> list[tuple[Severity, str, str]]:
+        """The oscillation rule with ``loss`` appended to the accepted losses (None: on them as they are)."""
         share = self.oscillation_share(loss)
         if share is None or share <= self.oscillation_threshold:
             return []

@@ -25,10 +25,15 @@ import torch
 
 import hybrid_kernels as hk
 
-from .update_recovery import CHUNK_ALIGN, flat_buckets
+from .update_recovery import CHUNK_ALIGN, bucket_pieces, flat_buckets
 
 BLOCK = 256  # values per scale; divides CHUNK_ALIGN, so a bucket's pieces start on block boundaries
 assert CHUNK_ALIGN % BLOCK == 0
+
+
+def block_count(sizes: list[int]) -> int:
+    """Scales an :class:`Int8BlockVector` over tensors of ``sizes`` values holds (each padded to whole blocks)."""
+    return sum(-(-n // BLOCK) for n in sizes)
 
 
 class Int8BlockVector:
@@ -57,9 +62,7 @@ class Int8BlockVector:
         self.code_views = [self.codes[s:s + n].view(p.shape) for s, n, p in zip(self._starts, self.sizes, params)]
         self.scale_views = [self.scales[s // BLOCK:s // BLOCK + -(-n // BLOCK)] for s, n in zip(self._starts, self.sizes)]
         self.buckets = flat_buckets(self.sizes)
-        self.piece_lengths = [[stop - start for _, start, stop in pieces] for _, _, pieces in self.buckets]
-        self.piece_params = [torch.tensor([index for index, _, _ in pieces], dtype=torch.long, device=device)
-                             for _, _, pieces in self.buckets]
+        self.piece_lengths, self.piece_params = bucket_pieces(self.buckets, device)
         # Per bucket: its padded range [first, last) and each piece's (offset, length) inside it.
         self._ranges: list[tuple[int, int]] = []
         self._piece_slices: list[list[tuple[int, int]]] = []

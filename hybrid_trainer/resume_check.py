@@ -31,7 +31,7 @@ import torch
 
 from .anchor import buffer_slots
 from .distributed import unwrap
-from .int8_direction import BLOCK
+from .int8_direction import block_count
 from .state_registry import check_trains_what_was_saved, without_ddp_prefix
 
 __all__ = ["check_loadable", "SHAPED_FIELDS", "check_config", "check_model", "check_outside_model", "check_optimizer",
@@ -317,7 +317,7 @@ def check_loadable(trainer, state: dict[str, Any]) -> None:
     names = {id(p): repr(n) for n, p in module.named_parameters()}
     check_optimizer(state["optimizer"], trainer.optimizer, state["optimizer_class"], names)
     check_predictor(state["predictor"], trainer.predictor.numel, trainer.predictor.scales.shape,
-                    blocks=sum(-(-n // BLOCK) for n in trainer.predictor.sizes))
+                    blocks=block_count(trainer.predictor.sizes))
     buffers = [owner._buffers[name] for owner, name in buffer_slots(module)]
     check_snapshot(state["anchor"], "anchor", trainer.params, buffers, finite=False)
     check_snapshot(state["good_state"], "good_state", trainer.params, buffers, finite=True)

@@ -69,6 +69,15 @@ def flat_buckets(sizes: list[int]) -> list[Bucket]:
     return buckets
 
 
+def bucket_pieces(buckets: list[Bucket], device: torch.device) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Per bucket of :func:`flat_buckets`: its pieces' lengths (to split it) and the tensor index
+    each piece belongs to (a long tensor on ``device``, to sum per tensor)."""
+    lengths = [[stop - start for _, start, stop in pieces] for _, _, pieces in buckets]
+    owners = [torch.tensor([index for index, _, _ in pieces], dtype=torch.long, device=device)
+              for _, _, pieces in buckets]
+    return lengths, owners
+
+
 class AdamUpdateRecovery:
     """Recomputes, after an Adam/AdamW step, the update it applied to each of ``params``.
 
@@ -91,10 +100,7 @@ class AdamUpdateRecovery:
         self._captured: list[list | None] = []  # per param: lr, β₁, β₂, ε, wd, decoupled, amsgrad, t
         self.buckets = flat_buckets([p.numel() for p in params])
         device = params[0].device if params else torch.device("cpu")
-        # Per bucket: its pieces' lengths (to split it) and the param each belongs to (to sum per param).
-        self.piece_lengths = [[stop - start for _, start, stop in pieces] for _, _, pieces in self.buckets]
-        self.piece_params = [torch.tensor([index for index, _, _ in pieces], dtype=torch.long, device=device)
-                             for _, _, pieces in self.buckets]
+        self.piece_lengths, self.piece_params = bucket_pieces(self.buckets, device)
 
     @staticmethod
     def for_optimizer(optimizer: torch.optim.Optimizer | None,
