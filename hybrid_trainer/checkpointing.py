@@ -6,9 +6,8 @@ written (atomic, with a content digest) is :mod:`hybrid_trainer.checkpoint`'s.
 """
 from __future__ import annotations
 
-import warnings
-
 from . import checkpoint
+from .user_warning import warn_user
 
 
 def write_checkpoint(trainer, path) -> None:
@@ -53,8 +52,7 @@ def emergency_checkpoint(trainer, sample) -> None:
     except Exception as error:  # the write's own failure; interrupts (KeyboardInterrupt) still propagate
         trainer.stats.emergency_checkpoint_failures += 1
         trainer._emergency_error = f"{type(error).__name__}: {error}"
-        # Called through a functools.partial (no frame of its own): 4 levels up is the caller of step().
-        warnings.warn(f"emergency checkpoint to {path!r} failed ({trainer._emergency_error}); the step completed "
-                      f"and training goes on without it", RuntimeWarning, stacklevel=4)
+        warn_user(f"emergency checkpoint to {path!r} failed ({trainer._emergency_error}); the step completed "
+                  f"and training goes on without it")
         return
     trainer.events.saved(path, trainer.step_count, wrote=True, emergency=True)  # its hooks run at the step's end

@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import enum
 import math
+from bisect import bisect_left, insort
 import numbers
 from collections import deque
 from collections.abc import Sequence
@@ -236,8 +237,15 @@ class DivergenceMonitor:
         # step, need not rebuild the differences: for the most recent pairs of consecutive differences
         # of accepted losses, whether they change sign; and the last difference.
         self._sign_changes: deque[bool] = deque(maxlen=self.oscillation_window - 1)
+        self._sign_change_count = 0  # sum(self._sign_changes), kept in step with it
         self._last_difference: float | None = None
         self._grad_norms: deque[float] = deque(maxlen=self.window)
+        # Sorted copies of the last ``window`` accepted losses and of the grad-norm window, kept in
+        # step on every accepted value: the per-step rules read their median, largest and smallest
+        # by index instead of sorting or scanning up to ``window`` floats per check (the monitor was
+        # the largest Python cost of a step). Same values, so the same decisions, bit for bit.
+        self._losses_sorted: list[float] = []
+        self._grad_norms_sorted: list[float] = []
         self.counts: dict[str, int] = {kind: 0 for kind in REASON_KINDS}
         self.refused_in_a_row = 0  # refused steps since the last accepted one (record_refusal)
         self._remembered: tuple | None = None  # the window at the last good state (remember_window)
@@ -250,24 +258,50 @@ class DivergenceMonitor:
         if loss_value is not None and math.isfinite(loss_value):
             self._record_loss(loss_value)
         if grad_value is not None and math.isfinite(grad_value):
-            self._grad_norms.append(grad_value)
+            self._record_grad_norm(grad_value)
         self.refused_in_a_row = 0
 
     def _record_loss(self, loss: float) -> None:
-        if self._losses:
-            difference = loss - self._losses[-1]
+        losses = self._losses
+        if losses:
+            difference = loss - losses[-1]
             if self._last_difference is not None:
-                self._sign_changes.append(self._last_difference * difference < 0)
+                changes = self._sign_changes
+                if len(changes) == changes.maxlen:
+                    self._sign_change_count -= changes[0]  # dropped by the append
+                changed = self._last_difference * difference < 0
+                changes.append(changed)
+                self._sign_change_count += changed
             self._last_difference = difference
-        self._losses.append(loss)
+            if len(losses) >= self.window:  # the loss leaving the last-``window`` view
+                ordered = self._losses_sorted
+                del ordered[bisect_left(ordered, losses[-self.window])]
+        insort(self._losses_sorted, loss)
+        losses.append(loss)
+
+    def _record_grad_norm(self, grad_norm: float) -> None:
+        norms = self._grad_norms
+        if len(norms) == self.window:  # the deque drops its oldest on append
+            ordered = self._grad_norms_sorted
+            del ordered[bisect_left(ordered, norms[0])]
+        insort(self._grad_norms_sorted, grad_norm)
+        norms.append(grad_norm)
+
+    def _resort(self) -> None:
+        """Rebuild the sorted copies after the windows were replaced wholesale."""
+        self._losses_sorted = sorted(list(self._losses)[-self.window:])
+        self._grad_norms_sorted = sorted(self._grad_norms)
 
     def reset_window(self) -> None:
         """Forget the recent loss and grad-norm history; event counts are kept. A trainer that rolls back
         uses :meth:`remember_window` and :meth:`rewind_window` instead, which leave no blind spell."""
         self._losses.clear()
         self._sign_changes.clear()
+        self._sign_change_count = 0
         self._last_difference = None
         self._grad_norms.clear()
+        self._losses_sorted.clear()
+        self._grad_norms_sorted.clear()
 
     def remember_window(self) -> None:
         """Keep a copy of the current history (at most ``window`` + ``oscillation_window`` floats) to go back to
@@ -289,8 +323,10 @@ class DivergenceMonitor:
         losses, sign_changes, last_difference, grad_norms = self._remembered
         self._losses = deque(losses, maxlen=self._loss_capacity)
         self._sign_changes = deque(sign_changes, maxlen=self.oscillation_window - 1)
+        self._sign_change_count = sum(self._sign_changes)
         self._last_difference = last_difference
         self._grad_norms = deque(grad_norms, maxlen=self.window)
+        self._resort()
 
     def record_refusal(self) -> bool:
         """Count a refused step; returns :attr:`stalled`. An accepted step (:meth:`observe`) ends the run of
@@ -317,11 +353,11 @@ class DivergenceMonitor:
         losses = self._losses
         if not losses:
             return None
-        recent = list(losses)[-self.window:]
-        magnitude = max(max(abs(v) for v in recent), _ABSOLUTE_SCALE_FLOOR)
-        ceiling = max(recent) + (self.loss_jump_factor - 1) * magnitude  # the loss_jump rule's bound
+        recent, ordered = list(losses)[-self.window:], self._losses_sorted
+        magnitude = max(abs(ordered[0]), abs(ordered[-1]), _ABSOLUTE_SCALE_FLOOR)
+        ceiling = ordered[-1] + (self.loss_jump_factor - 1) * magnitude  # the loss_jump rule's bound
         if len(losses) >= self.min_history:  # the z-score rule's: z <= warning
-            center = median(recent)
+            center = _median_of_sorted(ordered)
             mad_scale = _MAD_TO_STD * median(abs(v - center) for v in recent)
             mean = sum(recent) / len(recent)
             std = math.sqrt(sum((v - mean) ** 2 for v in recent) / (len(recent) - 1))
@@ -329,11 +365,11 @@ class DivergenceMonitor:
         norms = self._grad_norms
         grad_ceiling = math.inf
         if len(norms) >= self.min_history:
-            reference = median(norms)
+            reference = _median_of_sorted(self._grad_norms_sorted)
             if reference > self.grad_vanish_threshold:
                 grad_ceiling = self.grad_explosion_factor * reference
         elif norms:
-            highest = max(norms)
+            highest = self._grad_norms_sorted[-1]
             if highest > self.grad_vanish_threshold:
                 grad_ceiling = self.grad_jump_factor * highest
         return QuietLimits(ceiling, grad_ceiling, self.grad_vanish_threshold)
@@ -342,7 +378,7 @@ class DivergenceMonitor:
         """:meth:`observe` for values already found finite and inside :meth:`quiet_limits`."""
         self._record_loss(loss)
         if grad_norm is not None:
-            self._grad_norms.append(grad_norm)
+            self._record_grad_norm(grad_norm)
         self.refused_in_a_row = 0
 
     def check_oscillation_once(self) -> bool:
@@ -363,6 +399,8 @@ class DivergenceMonitor:
             count: add the report's kinds to :attr:`counts`. Pass False to re-check the same step without
                 double counting; the statistics themselves are never changed by ``check``.
         """
+        if type(loss) is float and type(grad_norm) is float and self._quiet(loss, grad_norm):
+            return DivergenceReport(severity=Severity.OK, reasons=[], kinds=[])
         loss_value = _as_optional_float("loss", loss)
         grad_value = _as_optional_float("grad_norm", grad_norm)
         if grad_value is not None and grad_value < 0:
@@ -390,6 +428,33 @@ class DivergenceMonitor:
             for kind in set(kinds):  # one event per kind per check, even if loss and grad are both NaN
                 self.counts[kind] += 1
         return DivergenceReport(severity=Severity(severity), reasons=[f[2] for f in findings], kinds=kinds)
+
+    def _quiet(self, loss: float, grad_norm: float) -> bool:
+        """True only when no rule can raise anything on this step: every rule's own early exit,
+        in one call (a real step's check is on every step; the rules' calls and the lists they
+        return were half of its cost). False sends the step to the rules themselves."""
+        if not (-math.inf < loss < math.inf and 0.0 <= grad_norm < math.inf):  # NaN fails every comparison
+            return False
+        ordered = self._losses_sorted
+        if ordered and loss > ordered[-1]:  # the loss_jump rule would look further
+            return False
+        if len(self._losses) >= self.min_history:  # the z-score's upper bound (see _check_loss_z)
+            center = _median_of_sorted(ordered)
+            spread_bound = 0.999 * (ordered[-1] - ordered[0]) / math.sqrt(2 * (len(ordered) - 1))
+            if (loss - center) / max(spread_bound, self._scale_floor(center)) > self.loss_z_warning:
+                return False
+        # Oscillation: the candidate's share counts at most every remembered sign change plus its own.
+        if (len(self._losses) >= self.oscillation_window
+                and (self._sign_change_count + 1) / (self.oscillation_window - 1) > self.oscillation_threshold):
+            return False
+        if grad_norm < self.grad_vanish_threshold:
+            return False
+        norms = self._grad_norms_sorted
+        if norms:
+            if len(norms) < self.min_history:
+                return not grad_norm > self.grad_jump_factor * norms[-1]
+            return not grad_norm > self.grad_explosion_factor * _median_of_sorted(norms)
+        return True
 
     @staticmethod
     def _name_non_finite(value: float) -> str:
@@ -419,10 +484,9 @@ class DivergenceMonitor:
         return (loss - center) / max(mad_scale, std, self._scale_floor(center))
 
     def _check_loss_z(self, loss: float) -> list[tuple[Severity, str, str]]:
-        recent = self._z_window()
-        if recent is None:
+        if len(self._losses) < self.min_history:
             return []
-        ordered = sorted(recent)  # one sort gives the median and the range
+        ordered = self._losses_sorted  # the last ``window`` losses in order: median and range by index
         center = _median_of_sorted(ordered)
         # Most steps end on this upper bound of z, without the MAD and std passes (the monitor's
         # largest per-step cost). The scale is at least the sample std, and the two extreme losses
@@ -431,7 +495,7 @@ class DivergenceMonitor:
         spread_bound = 0.999 * (ordered[-1] - ordered[0]) / math.sqrt(2 * (len(ordered) - 1))
         if (loss - center) / max(spread_bound, self._scale_floor(center)) <= self.loss_z_warning:
             return []
-        z = self._z_score(loss, recent, center)
+        z = self._z_score(loss, self._z_window(), center)
         # Only rises are divergence: a sudden drop (new data regime, LR decay) is good news.
         if z <= self.loss_z_warning:
             return []
@@ -440,19 +504,17 @@ class DivergenceMonitor:
         return [(Severity.WARNING, "loss_z", f"loss z-score {z:.1f} > {self.loss_z_warning:g}")]
 
     def _check_loss_jump(self, loss: float) -> list[tuple[Severity, str, str]]:
-        losses = self._losses
-        if not losses:
+        ordered = self._losses_sorted  # the last ``window`` accepted losses (fewer early on), in order
+        if not ordered:
             return []
-        # The whole remembered history when it is the z window; a longer oscillation history is cut to it.
-        recent = losses if len(losses) <= self.window else list(losses)[-self.window:]
-        highest = max(recent)
-        if loss <= highest:  # nearly every step ends here, on one max over <= window floats
+        highest = ordered[-1]
+        if loss <= highest:  # nearly every step ends here
             return []
-        magnitude = max(max(abs(v) for v in recent), _ABSOLUTE_SCALE_FLOOR)
+        magnitude = max(abs(ordered[0]), abs(highest), _ABSOLUTE_SCALE_FLOOR)
         if loss - highest <= (self.loss_jump_factor - 1) * magnitude:
             return []
         return [(Severity.CRITICAL, "loss_jump",
-                 f"loss {_fmt(loss)} > {self.loss_jump_factor:g}x the largest of the last {len(recent)} "
+                 f"loss {_fmt(loss)} > {self.loss_jump_factor:g}x the largest of the last {len(ordered)} "
                  f"accepted losses ({_fmt(highest)})")]
 
     def _check_grad(self, grad_norm: float) -> list[tuple[Severity, str, str]]:
@@ -463,13 +525,13 @@ class DivergenceMonitor:
         if 0 < len(self._grad_norms) < self.min_history:
             # Too few for a median; the largest seen is a conservative reference (it is at least the median,
             # and the factor is larger), so a blow-up in the first steps or right after a rollback is refused.
-            highest = max(self._grad_norms)
+            highest = self._grad_norms_sorted[-1]
             if highest > self.grad_vanish_threshold and grad_norm > self.grad_jump_factor * highest:
                 findings.append((Severity.CRITICAL, "grad_explosion",
                                  f"grad norm {_fmt(grad_norm)} > {self.grad_jump_factor:g}x the largest of the "
                                  f"{len(self._grad_norms)} accepted so far ({_fmt(highest)})"))
         elif len(self._grad_norms) >= self.min_history:
-            reference = median(self._grad_norms)
+            reference = _median_of_sorted(self._grad_norms_sorted)
             # A zero (or vanished) reference makes any ratio meaningless; the vanish test covers that regime.
             if reference > self.grad_vanish_threshold and grad_norm > self.grad_explosion_factor * reference:
                 findings.append((Severity.CRITICAL, "grad_explosion",
@@ -593,6 +655,7 @@ class DivergenceMonitor:
         for value in state["losses"]:
             self._record_loss(float(value))
         self._grad_norms = deque((float(v) for v in state["grad_norms"]), maxlen=self.window)
+        self._resort()
         self.counts = {kind: int(counts.get(kind, 0)) for kind in REASON_KINDS}
         self.refused_in_a_row = refused
         self._remembered = remembered

@@ -32,7 +32,6 @@ never on an accepted step.
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any, Protocol
 
 import torch
@@ -44,6 +43,7 @@ from .deferred_checks import DeferredChecks
 from .divergence import DivergenceMonitor, Severity
 from .errors import TrainingStalledError
 from .resume_check import non_finite_names
+from .user_warning import warn_user
 
 
 def grad_norm_tensor(grads: list[torch.Tensor]) -> torch.Tensor | None:
@@ -175,6 +175,25 @@ class StepGuard:
                 return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
             return grad_norm_tensor(grads)
         return torch.nn.utils.clip_grad_norm_(self.params, self.config.grad_clip)
+
+    def read_step_values(self, loss: torch.Tensor) -> tuple[float, float | None]:
+        """The step's loss and global gradient norm as floats (:meth:`grad_norm`, then
+        :meth:`read_loss_and_norm`; the norm None when the loss is not finite).
+
+        Where reads are free (a CPU) and no clipping is asked for, each gradient's norm is read
+        and the global norm combined on the host, ``sqrt(fsum(norm_i ** 2))`` in float64: one op
+        on the gradients instead of three (``_foreach_norm``, a stack and a norm of it), 8 µs of
+        a 1 ms step. A NaN or an Inf in any gradient still makes the norm non-finite."""
+        if self.config.grad_clip is not None or not self._grads_uniform or not reads_are_free(loss.device):
+            return self.read_loss_and_norm(loss, self.grad_norm())
+        grads = [p.grad for p in self.params if p.grad is not None]
+        total = loss.item()
+        if not math.isfinite(total):
+            return total, None
+        if not grads:
+            return total, 0.0
+        # Per-tensor reads: cheaper than stacking the norms for a read up to 40 tensors and beyond.
+        return total, math.sqrt(math.fsum([norm.item() ** 2 for norm in torch._foreach_norm(grads)]))
 
     def steps_on_device(self, record: bool) -> bool:
         """Whether this step launches its optimizer step before reading the guard's values.
@@ -325,8 +344,7 @@ class StepGuard:
             self.monitor.refused_in_a_row = 0
             self.stall_restored = True
             self.stats.stall_restores += 1
-            warnings.warn(f"training{where}: {detail}; restored the last good state (step {self.good_state.step})",
-                          RuntimeWarning, stacklevel=5)  # the caller of trainer.step
+            warn_user(f"training{where}: {detail}; restored the last good state (step {self.good_state.step})")
             return
         why = (f"restoring the last good state (step {self.good_state.step}) did not help"
                if self.good_state.is_set else "there is no good state to restore")

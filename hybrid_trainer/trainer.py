@@ -153,6 +153,13 @@ class HybridTrainer:
             from .nowcast_jump import make_nowcast
             self.nowcast = make_nowcast(config, model, optimizer, scheduler, self.ranks)
         self.registry = trainer_registry(self)
+        # Once prediction is off for good, real steps take the lean path (_steady_step) unless the
+        # run uses something only the general one does.
+        self._steady_allowed = (config.grad_accumulation == 1 and not self.ranks.active and self.scaler is None
+                                and self.in_backward is None and self.nowcast is None
+                                and self.weight_average is None and self.guard.deferred is None
+                                and not config.offload_while_predicting and self.profiler is None
+                                and self.vram_guard is None)
         # memory plan: the prediction again from what the built trainer holds now
         refine_plan(self.memory_plan, memory_in_use(self.device), self._predictor_bytes())
 
@@ -180,6 +187,10 @@ class HybridTrainer:
     def step(self, batch: Any) -> StepResult:
         """One training step on ``batch`` (a list of ``grad_accumulation`` micro-batches when
         accumulation is configured). Returns a :class:`StepResult`."""
+        controller = self.controller
+        if (self._steady_allowed and not controller.prediction_enabled and controller.phase is not Phase.PREDICT
+                and not self.guard.overlap and not self.trained.changed()):
+            return self._steady_step(batch)
         started = time.perf_counter()
         check_train_mode(self.optimizer)
         disabled_before = self.controller.disabled_reason
@@ -204,6 +215,10 @@ class HybridTrainer:
         result.wall_time_s = time.perf_counter() - started
         if self.guard.deferred is not None and self.guard.deferred.due:
             self._settle()  # the guard's read of the last read_every steps
+        return self._end_step(result, phase, disabled_before)
+
+    def _end_step(self, result: StepResult, phase: Phase, disabled_before: str | None) -> StepResult:
+        """Count the finished step, advance the phase machine, log it and run its events."""
         self.stats.steps_by_phase[phase.value] += 1
         self.stats.time_by_phase_s[phase.value] += result.wall_time_s
         self.step_count += 1
@@ -280,11 +295,7 @@ class HybridTrainer:
                      and self.in_backward is None and self.nowcast is None and self.weight_average is None)
         if not deferring:
             self._settle()  # steps whose checks waited are judged before this one is
-        # Every step ends by setting the gradients to None, so only gradients left by someone else
-        # (the caller's own backward, a step that raised) need clearing; a zero_grad with nothing
-        # to clear still costs 30-45 µs per step (its profiler scope) on the MLP benchmarks.
-        if any(p.grad is not None for group in self.optimizer.param_groups for p in group["params"]):
-            self.optimizer.zero_grad(set_to_none=True)
+        self._clear_stale_grads()
         micro = self._micro_batches(batch)
         guard.before_forward()  # a refused step puts the buffers (batch-norm statistics) back as they are now
         loss_sum = None
@@ -312,31 +323,24 @@ class HybridTrainer:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         partly_applied = False
-        if self.in_backward is not None:  # memory plan: the hooks measured the norm and updated (no grads left)
-            in_backward_norm, partly_applied = self.in_backward.finish()
-            norm = torch.tensor(in_backward_norm)
-        else:
-            norm = guard.grad_norm()
         if deferring:
-            return self._deferred_step(loss_sum, norm, phase, lr, lrs)
+            return self._deferred_step(loss_sum, guard.grad_norm(), phase, lr, lrs)
         # The guard's read waits for the device; with a skip on the device it can wait while the
         # optimizer step runs (see StepGuard.steps_on_device) instead of before it is launched.
         overlapped = guard.steps_on_device(record)
-        if overlapped:
-            total, grad_norm = guard.step_then_read(loss_sum, norm)
+        if self.in_backward is not None:  # memory plan: the hooks measured the norm and updated (no grads left)
+            in_backward_norm, partly_applied = self.in_backward.finish()
+            total, grad_norm = guard.read_loss_and_norm(loss_sum, torch.tensor(in_backward_norm))
+        elif overlapped:
+            total, grad_norm = guard.step_then_read(loss_sum, guard.grad_norm())
         else:
-            total, grad_norm = guard.read_loss_and_norm(loss_sum, norm)
+            total, grad_norm = guard.read_step_values(loss_sum)
         report = guard.check(total, grad_norm)
         if report.critical:
             if partly_applied and guard.good_state.is_set:  # memory plan: undo the finite updates already made
                 guard.good_state.restore(self.optimizer)
                 self.stats.divergence_rollbacks += 1
-            rolled_back = guard.refuse_update(total, grad_norm, report, self.step_count)
-            self.controller.force_full()
-            return StepResult(step=self.step_count, phase=phase.value, loss=total if math.isfinite(total) else None,
-                              backward_done=self.stats.backward_passes > 0 and math.isfinite(total), skipped=True,
-                              rolled_back=rolled_back, divergence="; ".join(report.reasons) or report.severity.name,
-                              grad_norm=grad_norm, lr=lr, lrs=lrs)
+            return self._refused_step(phase, total, grad_norm, report, lrs)
 
         predictor = self.predict_phase.predictor  # not the property: one call less per step
         if record:
@@ -387,6 +391,66 @@ class HybridTrainer:
         return StepResult(step=self.step_count, phase=phase.value, loss=total, backward_done=True,
                           divergence=report.severity.name, grad_norm=grad_norm, lr=lr, lrs=lrs,
                           rolled_back=rolled_back)
+
+    def _refused_step(self, phase: Phase, total: float, grad_norm: float | None, report: Any,
+                      lrs: tuple[float, ...]) -> StepResult:
+        """A real step whose update the guard refused (:meth:`StepGuard.refuse_update`)."""
+        rolled_back = self.guard.refuse_update(total, grad_norm, report, self.step_count)
+        self.controller.force_full()
+        return StepResult(step=self.step_count, phase=phase.value, loss=total if math.isfinite(total) else None,
+                          backward_done=self.stats.backward_passes > 0 and math.isfinite(total), skipped=True,
+                          rolled_back=rolled_back, divergence="; ".join(report.reasons) or report.severity.name,
+                          grad_norm=grad_norm, lr=lrs[0], lrs=lrs)
+
+    def _steady_step(self, batch: Any) -> StepResult:
+        """A whole real step once prediction is off for good, the trainer's state where it cannot
+        help: forward, backward, the guard's read and check, the update, the good state.
+
+        The same decisions and state as :meth:`_real_step` with the end of :meth:`step` (held
+        equal, bit for bit, by tests/test_steady_step.py), without what only prediction,
+        micro-batches, DDP, a GradScaler, a step inside the backward, a weight average, deferred
+        reads or the memory profiler need (the trainer sends those runs down the general path).
+        Each of those is a check or an object per step; on a 1 ms step they added up to more
+        than the guard itself (``python -m bench.overhead``)."""
+        started = time.perf_counter()
+        optimizer, guard, stats, controller = self.optimizer, self.guard, self.stats, self.controller
+        check_train_mode(optimizer)
+        phase, disabled_before = controller.phase, controller.disabled_reason
+        self._clear_stale_grads()
+        guard.before_forward()
+        loss = self._loss(batch)
+        loss.backward()
+        stats.backward_passes += 1
+        stats.forward_passes += 1
+        lrs = tuple([float(group["lr"]) for group in optimizer.param_groups])
+        total, grad_norm = guard.read_step_values(loss)  # sync point: one read per step, as loss.item()
+        report = guard.check(total, grad_norm)
+        if report.critical:
+            result = self._refused_step(phase, total, grad_norm, report, lrs)
+        else:
+            optimizer.step()
+            stats.optimizer_steps += 1
+            if self.scheduler is not None:
+                self.scheduler.step()
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+            self.loss_trend.update(total)
+            rolled_back = guard.accept(self.step_count, stats.optimizer_steps, total, grad_norm, report.severity)
+            if rolled_back:  # a non-finite state found at the snapshot: back to the good state
+                controller.force_full()
+            result = StepResult(step=self.step_count, phase=phase.value, loss=total, backward_done=True,
+                                divergence=report.severity.name, grad_norm=grad_norm, lr=lrs[0], lrs=lrs,
+                                rolled_back=rolled_back)
+        result.wall_time_s = time.perf_counter() - started
+        return self._end_step(result, phase, disabled_before)
+
+    def _clear_stale_grads(self) -> None:
+        """Every step ends by setting the gradients to None, so only gradients left by someone
+        else (the caller's own backward, a step that raised) need clearing; a zero_grad with
+        nothing to clear still costs 30-45 µs per step (its profiler scope) on the MLP benchmarks."""
+        if any(p.grad is not None for group in self.optimizer.param_groups for p in group["params"]):
+            self.optimizer.zero_grad(set_to_none=True)
 
     def _deferred_step(self, loss: torch.Tensor, norm: torch.Tensor | None, phase: Phase, lr: float,
                        lrs: tuple[float, ...]) -> PendingStepResult:

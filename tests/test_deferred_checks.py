@@ -143,7 +143,8 @@ def test_a_deferred_step_with_a_fused_optimizer_reads_nothing_back():
         trainer.step(batches[done + 15])  # the 16th: the block's one read
     # The block's one read, and the good state's finiteness check when a snapshot is due.
     assert counter.read_backs["deferred_checks.py:settle"] == 1
-    assert set(counter.read_backs) <= {"deferred_checks.py:settle", "resume_check.py:non_finite_names"}
+    assert set(counter.read_backs) <= {"deferred_checks.py:settle", "resume_check.py:_all_finite_on_cpu",
+                                       "resume_check.py:non_finite_names"}
 
 
 def test_without_a_device_side_skip_a_step_reads_its_two_values_once():

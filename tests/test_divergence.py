@@ -487,3 +487,35 @@ def test_quiet_limits_need_a_history_and_bound_the_rules_exactly():
     assert monitor.check(limits.loss_ceiling, 2.0, count=False).kinds == []
     assert "loss_z" in monitor.check(limits.loss_ceiling * 1.001, 2.0, count=False).kinds
     assert not limits.quiet(float("-inf"), 2.0) and not limits.quiet(1.0, float("inf"))
+
+
+@given(window=st.integers(2, 8), oscillation_window=st.integers(3, 12),
+       operations=st.lists(st.one_of(
+           st.tuples(st.just("observe"), st.sampled_from([0.0, -0.0, 1.0, 2.0, -1.0, 1e6, math.nan, math.inf]),
+                     st.sampled_from([0.0, 0.5, 1.0, 3.0, math.nan, None])),
+           st.tuples(st.sampled_from(["quiet", "remember", "rewind", "reset", "round_trip"]), st.none(), st.none())),
+           max_size=60))
+@settings(max_examples=200, deadline=None)
+def test_sorted_windows_follow_every_change_of_the_history(window, oscillation_window, operations):
+    """The rules read the median and extremes from sorted copies kept in step with the windows; after
+    any sequence of accepted values, rewinds, resets and state round trips they must equal the windows
+    sorted afresh (what the rules sorted on every check before)."""
+    settings_ = dict(window=window, min_history=2, oscillation_window=oscillation_window)
+    monitor = DivergenceMonitor(**settings_)
+    for what, loss, grad_norm in operations:
+        if what == "observe":
+            monitor.observe(loss, grad_norm)
+        elif what == "quiet":
+            monitor.observe_quiet(0.25, 0.75)
+        elif what == "remember":
+            monitor.remember_window()
+        elif what == "rewind":
+            monitor.rewind_window()
+        elif what == "reset":
+            monitor.reset_window()
+        else:
+            restored = DivergenceMonitor(**settings_)
+            restored.load_state_dict(json.loads(json.dumps(monitor.state_dict())))
+            monitor = restored
+        assert monitor._losses_sorted == sorted(list(monitor._losses)[-window:])
+        assert monitor._grad_norms_sorted == sorted(monitor._grad_norms)

@@ -88,7 +88,7 @@ def test_quick_run_reports_every_arm_with_ratios_from_its_measurements(tmp_path)
         assert c["memory_basis"] == "tensors" and c["memory_ratio"] == c["tensor_ratio"]  # a tiny model's RSS cannot resolve it
         assert arm["memory"]["trainer_tensor_bytes"]["total"] >= 0
     parts = results["models"]["tiny"]["breakdown"]
-    assert parts["arm"] == "predict=False" and parts["parts_us"]["gradient norm (guard)"] > 0
+    assert parts["arm"] == "predict=False" and parts["parts_us"]["gradient norm and read (guard)"] > 0
     assert parts["own_us"] == pytest.approx(parts["step_us"] - sum(
         parts["parts_us"][k] for k in ("model forward", "backward", "optimizer step")))
     table = (tmp_path / "overhead_quick.md").read_text()

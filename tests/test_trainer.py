@@ -656,7 +656,10 @@ def test_a_queueing_device_gets_one_host_read_per_real_step(stream, monkeypatch)
     # One per real step, and one per good-state snapshot (its finiteness check, every
     # good_state_every real steps: here only the first step's).
     assert reads["n"] == 12 + 1
-    assert [(r.loss, r.grad_norm) for r in results] == [(r.loss, r.grad_norm) for r in reference]
+    assert [r.loss for r in results] == [r.loss for r in reference]
+    # The CPU path combines the per-tensor norms in float64 on the host, a queueing device in
+    # float32 where they are: the same norm to rounding.
+    assert [r.grad_norm for r in results] == pytest.approx([r.grad_norm for r in reference], rel=1e-6)
     for p, q in zip(merged.params, plain.params):
         assert torch.equal(p, q)
 
@@ -695,8 +698,12 @@ def test_fused_optimizer_steps_before_the_read_and_refuses_exactly_as_the_plain_
     assert n_plain == 0 and n_overlapped == 29  # every step once the first good state exists
     assert results[11].skipped and not results[11].rolled_back  # NaN: refused, nothing to restore
     assert results[19].skipped and results[19].rolled_back  # spike: back to the last good state
-    summary = [(r.loss, r.grad_norm, r.skipped, r.rolled_back, r.divergence) for r in results]
-    assert summary == [(r.loss, r.grad_norm, r.skipped, r.rolled_back, r.divergence) for r in reference]
+    summary = [(r.loss, r.skipped, r.rolled_back, r.divergence) for r in results]
+    assert summary == [(r.loss, r.skipped, r.rolled_back, r.divergence) for r in reference]
+    # The read-first guard on a CPU combines the per-tensor norms in float64 on the host.
+    assert [r.grad_norm is None for r in results] == [r.grad_norm is None for r in reference]
+    assert ([r.grad_norm for r in results if r.grad_norm is not None]
+            == pytest.approx([r.grad_norm for r in reference if r.grad_norm is not None], rel=1e-6))
     for p, q in zip(overlapped.params, plain.params):
         assert torch.equal(p, q)
     for p, q in zip(overlapped.params, plain.params):

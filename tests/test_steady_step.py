@@ -1,0 +1,135 @@
+"""The lean real step (``HybridTrainer._steady_step``) against the general one (``_real_step``).
+
+Once prediction is off for good, real steps take the lean path. It must make the same decisions
+and leave the same state as the general path, bit for bit: weights, optimizer state, module
+buffers, the good state, the monitor's window, counters and every field of every result.
+Each test runs the same stream through a trainer with the lean path and one with it turned off,
+through the events the guard exists for (a NaN loss, a loss spike and its rollback, gradients
+left by the caller, a scheduler, batch-norm buffers), and counts that the lean path ran.
+"""
+import dataclasses
+
+import pytest
+import torch
+
+from hybrid_trainer import HybridConfig, HybridTrainer
+from hybrid_trainer.run_report import StepResult
+
+from _configs import FAST
+from _digits import batches, cross_entropy, digits_tensors
+from _faults import batch_norm_mlp
+from _resume import assert_same_state
+
+
+@pytest.fixture(autouse=True)
+def eager_kernels(monkeypatch):
+    monkeypatch.setenv("HYBRID_KERNELS_BACKEND", "eager")
+
+
+@pytest.fixture(scope="module")
+def stream():
+    x, y = digits_tensors()
+    return batches(x, y, 64, 60)
+
+
+def faulty_loss(nan_at: int, spike_at: int):
+    """cross_entropy, NaN on call ``nan_at`` and 50 times too large on call ``spike_at``."""
+    calls = {"n": 0}
+
+    def loss_fn(model, batch):
+        calls["n"] += 1
+        loss = cross_entropy(model, batch)
+        return loss * float("nan") if calls["n"] == nan_at else loss * 50.0 if calls["n"] == spike_at else loss
+    return loss_fn
+
+
+def run(stream, steady: bool, steps: int, stale_grads_at: int, **overrides):
+    """(trainer, results, lean steps taken) over ``steps`` batches of ``stream``."""
+    model = batch_norm_mlp(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.5)
+    config = HybridConfig(**{**FAST, "good_state_every": 5, "divergence": {"min_history": 5}, **overrides})
+    trainer = HybridTrainer(model, optimizer, faulty_loss(nan_at=12, spike_at=20), config=config,
+                            scheduler=scheduler)
+    trainer._steady_allowed = trainer._steady_allowed and steady
+    taken = {"n": 0}
+    lean = trainer._steady_step
+
+    def counted(batch):
+        taken["n"] += 1
+        return lean(batch)
+
+    trainer._steady_step = counted
+    results = []
+    for i, batch in enumerate(stream[:steps]):
+        if i == stale_grads_at:  # the caller's own backward leaves gradients behind
+            cross_entropy(model, batch).backward()
+        results.append(trainer.step(batch))
+    return trainer, results, taken["n"]
+
+
+# What a run measures with the clock (step times; the prediction machinery's cost, and so the
+# margins of the worth decisions made from it) differs between two runs of the same steps.
+TIMED = ("time_by_phase_s", "wall_time_s", "decline_margins", "cost", "predicted_step_worth", "required_worth",
+         "prediction_overhead")
+
+
+def without_times(value):
+    """A state dict with its wall-clock entries left out."""
+    if isinstance(value, dict):
+        return {k: without_times(v) for k, v in value.items() if k not in TIMED}
+    if isinstance(value, (list, tuple)):
+        return type(value)(without_times(v) for v in value)
+    return value
+
+
+def assert_same_run(lean, general):
+    (fast, fast_results), (slow, slow_results) = lean, general
+    for got, want in zip(fast_results, slow_results):
+        assert type(got) is type(want) is StepResult
+        assert without_times(dataclasses.asdict(got)) == without_times(dataclasses.asdict(want))
+    assert len(fast_results) == len(slow_results)
+    for p, q in zip(fast.params, slow.params):
+        assert torch.equal(p, q)
+    assert_same_state(without_times(fast.state_dict()), without_times(slow.state_dict()))
+    assert_same_state(without_times(fast.statistics()), without_times(slow.statistics()))
+
+
+def test_the_lean_step_equals_the_general_one_through_a_nan_a_spike_and_stale_gradients(stream):
+    fast, fast_results, lean_steps = run(stream, True, 30, stale_grads_at=25, predict=False)
+    slow, slow_results, general_lean_steps = run(stream, False, 30, stale_grads_at=25, predict=False)
+    assert lean_steps == 30 and general_lean_steps == 0
+    assert fast_results[11].skipped and not fast_results[11].rolled_back  # the NaN: refused
+    assert fast_results[19].skipped and fast_results[19].rolled_back  # the spike: back to the good state
+    assert fast.stats.divergence_rollbacks == 1
+    assert_same_run((fast, fast_results), (slow, slow_results))
+
+
+def test_the_lean_step_takes_over_when_prediction_switches_off(stream):
+    # Prediction on by default, switched off at the first decision (no predicted step can be
+    # worth 10 real ones): the general path runs until then, the lean one after.
+    off_at_once = dict(min_predicted_worth=10.0, max_consecutive_declines=1)
+    fast, fast_results, lean_steps = run(stream, True, 40, stale_grads_at=33, **off_at_once)
+    slow, slow_results, _ = run(stream, False, 40, stale_grads_at=33, **off_at_once)
+    assert not fast.controller.prediction_enabled
+    assert 0 < lean_steps < 40
+    assert fast.predictor.allocated is False and fast.forecaster.dynamics is None  # released at the switch
+    assert_same_run((fast, fast_results), (slow, slow_results))
+
+
+@pytest.mark.parametrize("overrides", [dict(grad_accumulation=2), dict(weight_average=True), dict(read_every=4),
+                                       dict(memory_profile=True)], ids=lambda o: next(iter(o)))
+def test_runs_using_what_the_lean_step_leaves_out_take_the_general_path(stream, overrides):
+    model = batch_norm_mlp(0)
+    trainer = HybridTrainer(model, torch.optim.AdamW(model.parameters(), lr=3e-3), cross_entropy,
+                            config=HybridConfig(**{**FAST, "predict": False, **overrides}))
+    assert trainer._steady_allowed is False
+    calls = {"lean": 0}
+    trainer._steady_step = lambda batch: calls.__setitem__("lean", calls["lean"] + 1)
+    for batch in stream[:4]:
+        trainer.step([batch, batch] if "grad_accumulation" in overrides else batch)
+    assert calls["lean"] == 0
+    model = batch_norm_mlp(0)
+    plain = HybridTrainer(model, torch.optim.AdamW(model.parameters(), lr=3e-3), cross_entropy,
+                          config=HybridConfig(**{**FAST, "predict": False}))
+    assert plain._steady_allowed is True
