@@ -1,6 +1,6 @@
 """What does the trainer cost next to a plain loop, in time and in peak memory?
 
-    python -m bench.overhead [--models mlp-1ms fashion charlm mlp-50m] [--device cpu|cuda] [--quick] [--memory-only]
+    python -m bench.overhead [--models tiny mlp-1ms fashion charlm mlp-50m] [--device cpu|cuda] [--quick] [--memory-only]
 
 Every model is trained by the plain loop (``zero_grad``, ``loss.backward()``, ``optimizer.step()``:
 no read of the loss) and by ``HybridTrainer`` in four configurations (``predict=False``, the
@@ -83,7 +83,13 @@ ARMS: dict[str, dict[str, Any] | None] = {
 # norm, one pass over the gradients, and a read of it and the loss). The trainer's overhead above
 # this arm's is its own bookkeeping; this arm's above the plain loop is the floor of the guard.
 GUARD_FLOOR = "plain + norm and read (guard floor)"
-IN_PROCESS_PARAMS = 5_000_000  # above this, all arms in one process would hold too much memory at once
+IN_PROCESS_PARAMS = 5_000_000
+# Steps under ~6 ms: timed over 4x the steps (a few seconds per arm), since their overheads are
+# tens of µs and the run-to-run spread of one 400-step run was of that size.
+SHORT_STEP_MODELS = ("tiny", "mlp-1ms", "fashion")
+# The CPU time goals of the trainer with predict=False (issue #25): a fixed cost per step of at
+# most GOAL_FIXED_US, and at most GOAL_RATIO of the plain step where it takes GOAL_LONG_STEP_US or more.
+GOAL_FIXED_US, GOAL_RATIO, GOAL_LONG_STEP_US = 50.0, 1.02, 5000.0  # above this, all arms in one process would hold too much memory at once
 
 
 @dataclass
@@ -139,7 +145,8 @@ def task_workload(name: str, n_batches: int, device: torch.device) -> Workload:
 
 def make_workload(name: str, n_batches: int, device: torch.device) -> Workload:
     """``mlp-1ms``: a step of about a millisecond on one CPU core; ``mlp-50m``: 4 layers 3584
-    wide (51M parameters); ``tiny``/``small``: the ``--quick`` sizes."""
+    wide (51M parameters); ``tiny`` (676 parameters): the trainer's fixed cost, with next to
+    nothing for the guard's pass over the gradients to read; ``small``: a ``--quick`` size."""
     if name == "mlp-1ms":
         return synthetic_mlp(name, 256, [256, 256], 10, 32, n_batches, device)
     if name == "mlp-50m":
@@ -493,6 +500,29 @@ def compare(plain: dict, arm: dict) -> dict[str, Any]:
     return out
 
 
+def goal_lines(results: dict[str, Any]) -> list[str]:
+    """The CPU time goals, model by model, from the ``predict=False`` arm and the guard floor."""
+    out = [f"Time goals (`predict=False` over the plain loop): at most {GOAL_FIXED_US:.0f} µs per step, and at most "
+           f"{100 * (GOAL_RATIO - 1):.0f}% where the plain step takes {GOAL_LONG_STEP_US / 1000:.0f} ms or more; the "
+           "guard floor (the plain loop plus the gradient norm and its read, the least a per-step NaN guard does) "
+           "beside it:", ""]
+    for model, r in results["models"].items():
+        plain, arm = r["arms"].get("plain", {}).get("time"), r["arms"].get("predict=False", {})
+        c = arm.get("vs_plain", {})
+        if not plain or "overhead_us" not in c:
+            continue
+        step = plain.get("chunk_median_us", plain.get("median_us"))
+        floor = r["arms"].get(GUARD_FLOOR, {}).get("vs_plain", {}).get("overhead_us")
+        if step >= GOAL_LONG_STEP_US:
+            goal, met = f"≤ {100 * (GOAL_RATIO - 1):.0f}%", c["time_ratio"] <= GOAL_RATIO
+        else:
+            goal, met = f"≤ {GOAL_FIXED_US:.0f} µs", c["overhead_us"] <= GOAL_FIXED_US
+        floor_text = "" if floor is None else f"; guard floor {floor:+.0f} µs ({100 * floor / step:+.1f}%)"
+        out.append(f"- {model}: {c['overhead_us']:+.0f} µs ({100 * (c['time_ratio'] - 1):+.1f}%), goal {goal}: "
+                   f"{'met' if met else 'NOT met'}{floor_text}")
+    return out
+
+
 def _mb(n: float | None) -> str:
     return "–" if n is None else f"{n / 1e6:.1f}"
 
@@ -545,6 +575,7 @@ def markdown(results: dict[str, Any]) -> str:
                          f"{fmt(c.get('rss_ratio'), '.3f')} | {_mb((a.get('tensors') or {}).get('tensor_peak_bytes'))} | "
                          f"{fmt(c.get('tensor_ratio'), '.3f')} | {fmt(c.get('memory_ratio'), '.3f')}{basis} | "
                          f"{_mb(c.get('extra_bytes'))} | {_mb(held)} |")
+    lines += ["", *goal_lines(results)]
     for model, r in results["models"].items():
         b = r.get("breakdown")
         if b:
@@ -599,15 +630,17 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     torch.set_num_threads(1)
-    models = args.models or (["tiny", "small"] if args.quick else ["mlp-1ms", "fashion", "charlm", "mlp-50m"])
+    models = args.models or (["tiny", "small"] if args.quick else ["tiny", "mlp-1ms", "fashion", "charlm", "mlp-50m"])
     warmup = args.warmup if args.warmup is not None else (25 if args.quick else 60)
-    steps = args.steps if args.steps is not None else (20 if args.quick else 400)
+    default_steps = 20 if args.quick else 400
     memory_steps = args.memory_steps if args.memory_steps is not None else (30 if args.quick else 120)
     command = "python -m bench.overhead " + " ".join(sys.argv[1:] if argv is None else argv)
     meta = run_metadata(command)
     results: dict[str, Any] = dict(meta, git=dict(commit=meta["git_commit"], dirty=meta["git_dirty"]), device=str(device),
                                    host=platform.node(), threads=torch.get_num_threads(), models={},
-                                   settings=dict(warmup=warmup, steps=steps, chunk=args.chunk,
+                                   settings=dict(warmup=warmup, steps=args.steps or default_steps,
+                                                 short_step_models_steps=None if args.quick or args.steps else 4 * default_steps,
+                                                 chunk=args.chunk,
                                                  memory_steps=memory_steps, batches=args.batches))
     suffix = ("_quick" if args.quick else "") + ("" if device.type == "cpu" else f"_{device.type}")
     existing = args.out / f"overhead{suffix}.json"
@@ -630,6 +663,8 @@ def main(argv: list[str] | None = None) -> int:
                 entry["breakdown"] = old["breakdown"]
             entry["time_run"] = old.get("time_run") or old["run"]
         elif not big:
+            steps = args.steps if args.steps is not None else (
+                default_steps if args.quick or name not in SHORT_STEP_MODELS else 4 * default_steps)
             with tqdm(total=-(-steps // args.chunk), desc=f"{name}: time", leave=False) as bar:
                 for arm, t in time_interleaved(workload, device, warmup, steps, args.chunk, bar).items():
                     entry["arms"].setdefault(arm, {})["time"] = t
