@@ -84,7 +84,8 @@ def status() -> str:
     return "\n".join(lines)
 
 
-OVERHEAD_MODELS = {"mlp-1ms": "1 ms MLP", "fashion": "Fashion-MNIST", "charlm": "char-LM", "mlp-50m": "51M MLP"}
+OVERHEAD_MODELS = {"tiny": "tiny MLP (fixed cost)", "mlp-1ms": "1 ms MLP", "fashion": "Fashion-MNIST",
+                   "charlm": "char-LM", "mlp-50m": "51M MLP"}
 
 
 FLOOR = "plain + norm and read (guard floor)"  # bench.overhead.GUARD_FLOOR (not imported: torch-free here)

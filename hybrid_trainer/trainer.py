@@ -157,8 +157,7 @@ class HybridTrainer:
         # run uses something only the general one does.
         self._steady_allowed = (config.grad_accumulation == 1 and not self.ranks.active and self.scaler is None
                                 and self.in_backward is None and self.nowcast is None
-                                and self.weight_average is None and self.guard.deferred is None
-                                and not config.offload_while_predicting and self.profiler is None
+                                and self.weight_average is None and not config.offload_while_predicting and self.profiler is None
                                 and self.vram_guard is None)
         # memory plan: the prediction again from what the built trainer holds now
         refine_plan(self.memory_plan, memory_in_use(self.device), self._predictor_bytes())
@@ -189,7 +188,7 @@ class HybridTrainer:
         accumulation is configured). Returns a :class:`StepResult`."""
         controller = self.controller
         if (self._steady_allowed and not controller.prediction_enabled and controller.phase is not Phase.PREDICT
-                and not self.guard.overlap and not self.trained.changed()):
+                and (not self.guard.overlap or self.guard.deferred is not None) and not self.trained.changed()):
             return self._steady_step(batch)
         started = time.perf_counter()
         check_train_mode(self.optimizer)
@@ -404,18 +403,23 @@ class HybridTrainer:
 
     def _steady_step(self, batch: Any) -> StepResult:
         """A whole real step once prediction is off for good, the trainer's state where it cannot
-        help: forward, backward, the guard's read and check, the update, the good state.
+        help: forward, backward, the guard's read and check (or, with ``read_every`` > 1, the
+        update launched with its checks queued), the update, the good state.
 
         The same decisions and state as :meth:`_real_step` with the end of :meth:`step` (held
         equal, bit for bit, by tests/test_steady_step.py), without what only prediction,
-        micro-batches, DDP, a GradScaler, a step inside the backward, a weight average, deferred
-        reads or the memory profiler need (the trainer sends those runs down the general path).
-        Each of those is a check or an object per step; on a 1 ms step they added up to more
-        than the guard itself (``python -m bench.overhead``)."""
+        micro-batches, DDP, a GradScaler, a step inside the backward, a weight average, the
+        memory profiler or a GPU's overlapped per-step read need (the trainer sends those runs
+        down the general path). Each of those is a check or an object per step; on a 1 ms step
+        they added up to more than the guard itself (``python -m bench.overhead``)."""
         started = time.perf_counter()
         optimizer, guard, stats, controller = self.optimizer, self.guard, self.stats, self.controller
         check_train_mode(optimizer)
         phase, disabled_before = controller.phase, controller.disabled_reason
+        deferred = guard.deferred
+        deferring = deferred is not None and guard.defers()
+        if deferred is not None and not deferring:
+            self._settle()  # steps whose checks waited are judged before this one is
         self._clear_stale_grads()
         guard.before_forward()
         loss = self._loss(batch)
@@ -423,6 +427,12 @@ class HybridTrainer:
         stats.backward_passes += 1
         stats.forward_passes += 1
         lrs = tuple([float(group["lr"]) for group in optimizer.param_groups])
+        if deferring:  # nothing read back: the update launched, its checks queued (deferred_checks)
+            result = self._deferred_step(loss.detach(), guard.grad_norm(), phase, lrs[0], lrs)
+            result.wall_time_s = time.perf_counter() - started
+            if deferred.due:
+                self._settle()  # the guard's read of the last read_every steps
+            return self._end_step(result, phase, disabled_before)
         total, grad_norm = guard.read_step_values(loss)  # sync point: one read per step, as loss.item()
         report = guard.check(total, grad_norm)
         if report.critical:

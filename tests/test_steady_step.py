@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hybrid_trainer import HybridConfig, HybridTrainer
-from hybrid_trainer.run_report import StepResult
+from hybrid_trainer.run_report import PendingStepResult, StepResult
 
 from _configs import FAST
 from _digits import batches, cross_entropy, digits_tensors
@@ -43,10 +43,10 @@ def faulty_loss(nan_at: int, spike_at: int):
     return loss_fn
 
 
-def run(stream, steady: bool, steps: int, stale_grads_at: int, **overrides):
+def run(stream, steady: bool, steps: int, stale_grads_at: int, fused: bool = False, **overrides):
     """(trainer, results, lean steps taken) over ``steps`` batches of ``stream``."""
     model = batch_norm_mlp(0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=fused)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.5)
     config = HybridConfig(**{**FAST, "good_state_every": 5, "divergence": {"min_history": 5}, **overrides})
     trainer = HybridTrainer(model, optimizer, faulty_loss(nan_at=12, spike_at=20), config=config,
@@ -83,11 +83,19 @@ def without_times(value):
     return value
 
 
+def fields(result: StepResult) -> dict:
+    """Every field of a result; a deferred step's (PendingStepResult) as read and settled."""
+    out = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
+    if isinstance(result, PendingStepResult):
+        out["settled"] = result.settled
+    return out
+
+
 def assert_same_run(lean, general):
     (fast, fast_results), (slow, slow_results) = lean, general
     for got, want in zip(fast_results, slow_results):
-        assert type(got) is type(want) is StepResult
-        assert without_times(dataclasses.asdict(got)) == without_times(dataclasses.asdict(want))
+        assert type(got) is type(want)
+        assert without_times(fields(got)) == without_times(fields(want))
     assert len(fast_results) == len(slow_results)
     for p, q in zip(fast.params, slow.params):
         assert torch.equal(p, q)
@@ -117,7 +125,23 @@ def test_the_lean_step_takes_over_when_prediction_switches_off(stream):
     assert_same_run((fast, fast_results), (slow, slow_results))
 
 
-@pytest.mark.parametrize("overrides", [dict(grad_accumulation=2), dict(weight_average=True), dict(read_every=4),
+@pytest.mark.parametrize("fused", [False, True], ids=["read-on-launch", "device-side-skip"])
+def test_the_lean_step_with_deferred_checks_equals_the_general_one(stream, fused):
+    # read_every=4: the NaN is skipped where it runs, the spike found at its block's read rolls
+    # back to the good state and discards the steps queued after it.
+    fast, fast_results, lean_steps = run(stream, True, 30, stale_grads_at=25, fused=fused, predict=False,
+                                         read_every=4)
+    slow, slow_results, _ = run(stream, False, 30, stale_grads_at=25, fused=fused, predict=False, read_every=4)
+    assert lean_steps == 30
+    fast.close()
+    slow.close()  # settles the last block on both
+    assert isinstance(fast_results[5], PendingStepResult) and fast_results[5].settled
+    assert fast_results[11].skipped and fast_results[19].skipped and fast_results[19].rolled_back
+    assert fast.stats.divergence_rollbacks == 1
+    assert_same_run((fast, fast_results), (slow, slow_results))
+
+
+@pytest.mark.parametrize("overrides", [dict(grad_accumulation=2), dict(weight_average=True),
                                        dict(memory_profile=True)], ids=lambda o: next(iter(o)))
 def test_runs_using_what_the_lean_step_leaves_out_take_the_general_path(stream, overrides):
     model = batch_norm_mlp(0)
