@@ -98,12 +98,18 @@ class DeferredChecks:
             self.pending.append((result, values, norm is not None))
             return
         loss_value, norm_value = values.tolist()  # the read an optimizer without a device-side skip costs
+        self.launch_read(guard, loss_value, norm_value, norm is not None, result)
+
+    def launch_read(self, guard: Any, loss_value: float, norm_value: float, has_norm: bool,
+                    result: PendingStepResult) -> None:
+        """:meth:`launch` with the step's loss and norm already read (``has_norm``: whether the
+        step had gradients): the update is applied unless one of them is non-finite."""
         if math.isfinite(loss_value) and math.isfinite(norm_value):
-            optimizer.step()
+            guard.optimizer.step()
         else:
             guard.buffers_before.restore()
-        result.values_read(loss_value, None if norm is None else norm_value)
-        self.pending.append((result, (loss_value, norm_value), norm is not None))
+        result.values_read(loss_value, norm_value if has_norm else None)
+        self.pending.append((result, (loss_value, norm_value), has_norm))
 
     def settle(self, guard: Any) -> list[PendingStepResult]:
         """Read the queued values and judge them in order (module docstring); returns every

@@ -123,7 +123,8 @@ class StepGuard:
         self._host_values: torch.Tensor | None = None  # pinned landing place of the read (CUDA)
         # Where a read waits for nothing there is nothing to overlap: the device-side skip's extra
         # ops would only add work to every step (a CPU's sub-millisecond MLP steps notice it).
-        self.overlap = not reads_are_free(device)
+        self.reads_free = reads_are_free(device)
+        self.overlap = not self.reads_free
         # Checks read once every read_every steps while prediction is off (deferred_checks).
         every = config.read_every if config.read_every is not None else (1 if reads_are_free(device) else 16)
         self.deferred = DeferredChecks(every) if every > 1 else None
@@ -184,7 +185,7 @@ class StepGuard:
         and the global norm combined on the host, ``sqrt(fsum(norm_i ** 2))`` in float64: one op
         on the gradients instead of three (``_foreach_norm``, a stack and a norm of it), 8 µs of
         a 1 ms step. A NaN or an Inf in any gradient still makes the norm non-finite."""
-        if self.config.grad_clip is not None or not self._grads_uniform or not reads_are_free(loss.device):
+        if self.config.grad_clip is not None or not self._grads_uniform or not self.reads_free:
             return self.read_loss_and_norm(loss, self.grad_norm())
         grads = [p.grad for p in self.params if p.grad is not None]
         total = loss.item()

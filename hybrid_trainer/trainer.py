@@ -218,18 +218,20 @@ class HybridTrainer:
 
     def _end_step(self, result: StepResult, phase: Phase, disabled_before: str | None) -> StepResult:
         """Count the finished step, advance the phase machine, log it and run its events."""
-        self.stats.steps_by_phase[phase.value] += 1
-        self.stats.time_by_phase_s[phase.value] += result.wall_time_s
+        stats, ctl, name = self.stats, self.controller, phase.value
+        stats.steps_by_phase[name] += 1
+        stats.time_by_phase_s[name] += result.wall_time_s
         self.step_count += 1
         if not (phase is Phase.PREDICT and result.rolled_back):
             # Once prediction is off for the run the controller never reads the margin again.
-            margin = self.worth.margin() if self.controller.prediction_enabled else None
-            self.controller.advance(self._confidence, worth_margin=margin)
-        if phase is Phase.PREDICT and self.controller.phase is not Phase.PREDICT:
+            margin = self.worth.margin() if ctl.prediction_enabled else None
+            ctl.advance(self._confidence, worth_margin=margin)
+        if phase is Phase.PREDICT and ctl.phase is not Phase.PREDICT:
             self.predict_phase.end_phase()
             if self.offloader is not None:
                 self.offloader.prefetch()  # overlaps the copy back with whatever the caller does next
-        if not self.controller.prediction_enabled and (self.predictor.allocated or self.forecaster.dynamics is not None):
+        if not ctl.prediction_enabled and (self.predict_phase.predictor.allocated
+                                           or self.forecaster.dynamics is not None):
             self.predict_phase.release()  # off for good: what only prediction used goes
             self.forecaster.release()
         if self.profiler is not None:
@@ -242,7 +244,7 @@ class HybridTrainer:
             self._log(result)
         # Events are rare: a few compares tell that none happened. Hooks run last, so one that
         # raises finds the step done and counted.
-        ctl, events = self.controller, self.events
+        events = self.events
         if result.skipped or result.rolled_back or ctl.phase is not phase or ctl.disabled_reason is not disabled_before:
             events.after_step(self, result, phase, disabled_before)
         if events.pending or events.step_end:
@@ -323,7 +325,7 @@ class HybridTrainer:
             self.scaler.unscale_(self.optimizer)
         partly_applied = False
         if deferring:
-            return self._deferred_step(loss_sum, guard.grad_norm(), phase, lr, lrs)
+            return self._deferred_step(loss_sum, phase, lrs)
         # The guard's read waits for the device; with a skip on the device it can wait while the
         # optimizer step runs (see StepGuard.steps_on_device) instead of before it is launched.
         overlapped = guard.steps_on_device(record)
@@ -428,7 +430,7 @@ class HybridTrainer:
         stats.forward_passes += 1
         lrs = tuple([float(group["lr"]) for group in optimizer.param_groups])
         if deferring:  # nothing read back: the update launched, its checks queued (deferred_checks)
-            result = self._deferred_step(loss.detach(), guard.grad_norm(), phase, lrs[0], lrs)
+            result = self._deferred_step(loss.detach(), phase, lrs)
             result.wall_time_s = time.perf_counter() - started
             if deferred.due:
                 self._settle()  # the guard's read of the last read_every steps
@@ -462,14 +464,20 @@ class HybridTrainer:
         if any(p.grad is not None for group in self.optimizer.param_groups for p in group["params"]):
             self.optimizer.zero_grad(set_to_none=True)
 
-    def _deferred_step(self, loss: torch.Tensor, norm: torch.Tensor | None, phase: Phase, lr: float,
-                       lrs: tuple[float, ...]) -> PendingStepResult:
+    def _deferred_step(self, loss: torch.Tensor, phase: Phase, lrs: tuple[float, ...]) -> PendingStepResult:
         """The rest of a real step whose checks wait for the guard's next read: the update is
         applied unless the loss or gradients are non-finite (decided on the device with a fused
-        optimizer), nothing is read back."""
+        optimizer, nothing read back; else from the two values, read now)."""
+        guard, optimizer = self.guard, self.optimizer
         result = PendingStepResult(step=self.step_count, phase=phase.value, loss=None, backward_done=True,
-                                   divergence="PENDING", lr=lr, lrs=lrs)
-        self.guard.deferred.launch(self.guard, loss, norm, result)
+                                   divergence="PENDING", lr=lrs[0], lrs=lrs)
+        if guard.reads_free and not getattr(optimizer, "_step_supports_amp_scaling", False):
+            # Reads cost nothing here: the per-step guard's own read (one op on the gradients).
+            has_norm = any(p.grad is not None for p in guard.params)
+            loss_value, norm_value = guard.read_step_values(loss)
+            guard.deferred.launch_read(guard, loss_value, 0.0 if norm_value is None else norm_value, has_norm, result)
+        else:
+            guard.deferred.launch(guard, loss, guard.grad_norm(), result)
         self.stats.optimizer_steps += 1  # taken back at the read if the step was refused
         if self.scheduler is not None:
             self.scheduler.step()

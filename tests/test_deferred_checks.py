@@ -147,13 +147,29 @@ def test_a_deferred_step_with_a_fused_optimizer_reads_nothing_back():
                                        "resume_check.py:non_finite_names"}
 
 
-def test_without_a_device_side_skip_a_step_reads_its_two_values_once():
+def test_without_a_device_side_skip_a_step_reads_its_two_values_once(monkeypatch):
+    # Emulating a device whose reads wait for it: the loss and norm come back in one read.
+    import hybrid_trainer.step_guard as step_guard
+
+    monkeypatch.setattr(step_guard, "reads_are_free", lambda device: False)
     trainer, batches, done = _right_after_a_read(fused=False)
     counter = HostOps()
     with counter:
         trainer.step(batches[done])
     reads = {who: n for who, n in counter.read_backs.items() if who != "optimizer"}  # its step counters, as a plain loop's
     assert reads == {"deferred_checks.py:launch": 1}
+
+
+def test_on_a_cpu_a_deferred_step_reads_as_the_per_step_guard_does():
+    # Reads cost nothing on a CPU: the values come from the per-step guard's read (the loss and
+    # one norm per gradient), not from a stack of them built for one read.
+    trainer, batches, done = _right_after_a_read(fused=False)
+    counter = HostOps()
+    with counter:
+        result = trainer.step(batches[done])
+    reads = {who: n for who, n in counter.read_backs.items() if who != "optimizer"}
+    assert reads == {"step_guard.py:read_step_values": 1, "step_guard.py:<listcomp>": len(trainer.params)}
+    assert result.loss is not None and result.grad_norm > 0 and not result.settled
 
 
 def test_resume_with_steps_waiting_is_bit_exact(tmp_path):
