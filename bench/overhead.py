@@ -83,13 +83,13 @@ ARMS: dict[str, dict[str, Any] | None] = {
 # norm, one pass over the gradients, and a read of it and the loss). The trainer's overhead above
 # this arm's is its own bookkeeping; this arm's above the plain loop is the floor of the guard.
 GUARD_FLOOR = "plain + norm and read (guard floor)"
-IN_PROCESS_PARAMS = 5_000_000
+IN_PROCESS_PARAMS = 5_000_000  # above this, all arms in one process would hold too much memory at once
 # Steps under ~6 ms: timed over 4x the steps (a few seconds per arm), since their overheads are
 # tens of µs and the run-to-run spread of one 400-step run was of that size.
 SHORT_STEP_MODELS = ("tiny", "mlp-1ms", "fashion")
-# The CPU time goals of the trainer with predict=False (issue #25): a fixed cost per step of at
+# The CPU time goals of the trainer with predict=False: a fixed cost per step of at
 # most GOAL_FIXED_US, and at most GOAL_RATIO of the plain step where it takes GOAL_LONG_STEP_US or more.
-GOAL_FIXED_US, GOAL_RATIO, GOAL_LONG_STEP_US = 50.0, 1.02, 5000.0  # above this, all arms in one process would hold too much memory at once
+GOAL_FIXED_US, GOAL_RATIO, GOAL_LONG_STEP_US = 50.0, 1.02, 5000.0
 
 
 @dataclass
