@@ -21,15 +21,12 @@ from _faults import batch_norm_mlp
 from _resume import assert_same_state
 
 
-@pytest.fixture(autouse=True)
-def eager_kernels(monkeypatch):
-    monkeypatch.setenv("HYBRID_KERNELS_BACKEND", "eager")
+pytestmark = pytest.mark.usefixtures("eager_backend")  # the trainer's logic, not the kernels, is under test
 
 
 @pytest.fixture(scope="module")
 def stream():
-    x, y = digits_tensors()
-    return batches(x, y, 64, 60)
+    return batches(*digits_tensors(), 64, 60)
 
 
 def faulty_loss(nan_at: int, spike_at: int):
