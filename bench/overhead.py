@@ -23,7 +23,8 @@ the same initial weights, the same batches in the same order and the same seed.
   held the core. For the trainer also the median over its real steps only (the default
   config's predicted steps skip the backward, which is a saving, not an overhead). The fixed
   cost is the difference of the chunk medians in µs, the ratio their quotient. Larger models
-  (the ≥50M one) are timed inside their memory subprocess, one arm after another.
+  (the ≥50M one) are timed inside their memory subprocess, one arm after another (on a CPU by
+  the thread's CPU time too).
 * **Peak memory**: each arm in a fresh subprocess. The data and batches are made first and the
   arm runs a few throwaway steps (on the model itself, on a tiny one of the same kind for the
   ≥50M model), so that the code it executes is paged in (a code page first touched by an arm
@@ -423,14 +424,17 @@ def memory_child(model_name: str, arm: str, device_name: str, steps: int, n_batc
         baseline = _rss_bytes()
     step, trainer, model = _arm_step(arm, workload, device)
     times, phases = [], []
+    # On a CPU the thread's CPU time, as the in-process timing: not the time other processes held
+    # the core (arms run one after another here, minutes apart).
+    clock = time.thread_time if device.type == "cpu" else time.perf_counter
     for i in range(steps):
         phase = _phase(trainer)
         _sync(device)
-        started = time.perf_counter()
+        started = clock()
         step(workload.batches[i % len(workload.batches)])
         _sync(device)
         if i >= steps - time_steps:
-            times.append(time.perf_counter() - started)
+            times.append(clock() - started)
             phases.append(phase)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _peak_rss_bytes()
     result = dict(model=model_name, arm=arm, baseline_bytes=baseline, peak_bytes=peak, training_bytes=peak - baseline,
