@@ -4,8 +4,10 @@
 
 On a GPU every op is a kernel launch or an allocator call, and for small models those, not the
 kernels, set the step time: on the H100 (docs/gpu.md) the trainer's recording machinery cost
-0.4-0.6 of a core step, and a bare Triton launch from Python 41-53 µs. Op counts are the same on any
-device, so this benchmark counts them on the CPU (a proxy for launches; no GPU needed) for the
+0.4-0.6 of a core step, and a bare Triton launch from Python 41-53 µs. This benchmark counts them
+on the CPU (a proxy for launches; no GPU needed), with the trainer's guard set up as on a GPU
+(``step_guard.reads_are_free`` false: on a CPU it reads one norm per gradient, which costs
+nothing there, where a GPU stacks them for one read), for the
 plain AdamW loop and for HybridTrainer with prediction off, with it on and the per-tensor
 reductions of the CPU path, and with it on and the batched reductions of the CUDA path (these two
 with a bf16 direction: the default int8 direction is read a bucket at a time either way). The
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import json
 import statistics
@@ -113,6 +116,24 @@ FUSED_ARMS = ARMS[4:]  # AdamW(fused=True): its step skips a non-finite update o
 
 def count_arm(task, arm: str, warmup: int, steps: int, lr: float) -> dict:
     """Ops per step of one arm: median, max, and the mean per caller over the counted steps."""
+    with _reads_wait_for_the_device():
+        return _count_arm(task, arm, warmup, steps, lr)
+
+
+@contextlib.contextmanager
+def _reads_wait_for_the_device():
+    """The trainer's guard as on a GPU, whose reads wait for the device (see the module docstring)."""
+    from hybrid_trainer import step_guard
+
+    free = step_guard.reads_are_free
+    step_guard.reads_are_free = lambda device: False
+    try:
+        yield
+    finally:
+        step_guard.reads_are_free = free
+
+
+def _count_arm(task, arm: str, warmup: int, steps: int, lr: float) -> dict:
     from hybrid_trainer import HybridTrainer, predict_phase
 
     from .protocol import preset_config, training_step
@@ -132,8 +153,10 @@ def count_arm(task, arm: str, warmup: int, steps: int, lr: float) -> dict:
         if float_direction:
             predict_phase.DIRECTION_DTYPE = torch.bfloat16
         try:
-            trainer = HybridTrainer(model, optimizer, task.loss_fn,
-                                    preset_config("no-predict" if arm == ARMS[1] else "default"))
+            # The per-step guard (a GPU's default reads once per 16 steps: the last arm).
+            config = (dataclasses.replace(preset_config("no-predict"), read_every=1) if arm == ARMS[1]
+                      else preset_config("default"))
+            trainer = HybridTrainer(model, optimizer, task.loss_fn, config)
         finally:
             predict_phase.DIRECTION_DTYPE = kept_dtype
         trainer.predictor.batched_reductions = arm == ARMS[3]
