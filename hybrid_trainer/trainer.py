@@ -187,6 +187,7 @@ class HybridTrainer:
         """One training step on ``batch`` (a list of ``grad_accumulation`` micro-batches when
         accumulation is configured). Returns a :class:`StepResult`."""
         controller = self.controller
+        # Prediction off for good and nothing configured that only the general path handles.
         if (self._steady_allowed and not controller.prediction_enabled and controller.phase is not Phase.PREDICT
                 and (not self.guard.overlap or self.guard.deferred is not None) and not self.trained.changed()):
             return self._steady_step(batch)
