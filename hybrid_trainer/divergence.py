@@ -438,11 +438,8 @@ class DivergenceMonitor:
         ordered = self._losses_sorted
         if ordered and loss > ordered[-1]:  # the loss_jump rule would look further
             return False
-        if len(self._losses) >= self.min_history:  # the z-score's upper bound (see _check_loss_z)
-            center = _median_of_sorted(ordered)
-            spread_bound = 0.999 * (ordered[-1] - ordered[0]) / math.sqrt(2 * (len(ordered) - 1))
-            if (loss - center) / max(spread_bound, self._scale_floor(center)) > self.loss_z_warning:
-                return False
+        if len(self._losses) >= self.min_history and not self._z_surely_quiet(loss, _median_of_sorted(ordered)):
+            return False
         # Oscillation: the candidate's share counts at most every remembered sign change plus its own.
         if (len(self._losses) >= self.oscillation_window
                 and (self._sign_change_count + 1) / (self.oscillation_window - 1) > self.oscillation_threshold):
@@ -483,17 +480,20 @@ class DivergenceMonitor:
         std = math.sqrt(sum((v - mean) ** 2 for v in recent) / (len(recent) - 1))
         return (loss - center) / max(mad_scale, std, self._scale_floor(center))
 
+    def _z_surely_quiet(self, loss: float, center: float) -> bool:
+        """An upper bound of ``loss``'s z-score is at most ``loss_z_warning`` (the window's median
+        ``center`` given). The scale is at least the sample std, and the two extreme losses alone
+        put range²/2 into its sum of squares, so std >= range / sqrt(2 (n - 1)); the 0.999 leaves
+        room for the rounding of the computed std. A smaller scale gives a larger z."""
+        ordered = self._losses_sorted  # the last ``window`` losses in order: the range by index
+        spread_bound = 0.999 * (ordered[-1] - ordered[0]) / math.sqrt(2 * (len(ordered) - 1))
+        return (loss - center) / max(spread_bound, self._scale_floor(center)) <= self.loss_z_warning
+
     def _check_loss_z(self, loss: float) -> list[tuple[Severity, str, str]]:
         if len(self._losses) < self.min_history:
             return []
-        ordered = self._losses_sorted  # the last ``window`` losses in order: median and range by index
-        center = _median_of_sorted(ordered)
-        # Most steps end on this upper bound of z, without the MAD and std passes (the monitor's
-        # largest per-step cost). The scale is at least the sample std, and the two extreme losses
-        # alone put range²/2 into its sum of squares, so std >= range / sqrt(2 (n - 1)); the 0.999
-        # leaves room for the rounding of the computed std. A smaller scale gives a larger z.
-        spread_bound = 0.999 * (ordered[-1] - ordered[0]) / math.sqrt(2 * (len(ordered) - 1))
-        if (loss - center) / max(spread_bound, self._scale_floor(center)) <= self.loss_z_warning:
+        center = _median_of_sorted(self._losses_sorted)
+        if self._z_surely_quiet(loss, center):  # most steps end here, without the MAD and std passes
             return []
         z = self._z_score(loss, self._z_window(), center)
         # Only rises are divergence: a sudden drop (new data regime, LR decay) is good news.

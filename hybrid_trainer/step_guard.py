@@ -126,7 +126,7 @@ class StepGuard:
         self.reads_free = reads_are_free(device)
         self.overlap = not self.reads_free
         # Checks read once every read_every steps while prediction is off (deferred_checks).
-        every = config.read_every if config.read_every is not None else (1 if reads_are_free(device) else 16)
+        every = config.read_every if config.read_every is not None else (1 if self.reads_free else 16)
         self.deferred = DeferredChecks(every) if every > 1 else None
 
     def retarget(self, params: list[torch.Tensor], buffers: list[tuple[torch.nn.Module, str]],
@@ -183,8 +183,8 @@ class StepGuard:
 
         Where reads are free (a CPU) and no clipping is asked for, each gradient's norm is read
         and the global norm combined on the host, ``sqrt(fsum(norm_i ** 2))`` in float64: one op
-        on the gradients instead of three (``_foreach_norm``, a stack and a norm of it), 8 µs of
-        a 1 ms step. A NaN or an Inf in any gradient still makes the norm non-finite."""
+        on the gradients instead of three (``_foreach_norm``, a stack and a norm of it). A NaN or
+        an Inf in any gradient still makes the norm non-finite."""
         if self.config.grad_clip is not None or not self._grads_uniform or not self.reads_free:
             return self.read_loss_and_norm(loss, self.grad_norm())
         grads = [p.grad for p in self.params if p.grad is not None]
