@@ -25,6 +25,11 @@ the same initial weights, the same batches in the same order and the same seed.
   cost is the difference of the chunk medians in µs, the ratio their quotient. Larger models
   (the ≥50M one) are timed inside their memory subprocess, one arm after another (on a CPU by
   the thread's CPU time too).
+* **While prediction can still run** (``--explore-steps``, every model): the arms above are timed
+  after ``--warmup`` steps, by which the default config has mostly finished recording updates to
+  find out whether prediction pays. That part is timed apart: a fresh plain loop and a fresh
+  default trainer from their first step, interleaved chunk by chunk as above, until the trainer
+  has switched prediction off; both arms' times summed over those steps (:func:`exploration`).
 * **Peak memory**: each arm in a fresh subprocess. The data and batches are made first and the
   arm runs a few throwaway steps (on the model itself, on a tiny one of the same kind for the
   ≥50M model), so that the code it executes is paged in (a code page first touched by an arm
@@ -213,6 +218,35 @@ def _time_summary(times_s: list[float], phases: list[str], chunk: int) -> dict[s
 
 
 # =================================================================================== time ====
+def _timed_chunk(a: dict[str, Any], workload: Workload, device: torch.device, chunk: int) -> None:
+    """Step arm ``a`` (``step``, ``trainer``, ``position``, ``times``, ``phases``) ``chunk`` times,
+    appending each step's time and the phase it ran in. On a CPU a step's time is the thread's
+    CPU time: with one thread per process the step's whole work, and not the time another
+    process held the core (helpers and CI share this machine). On CUDA the chunk is timed as a
+    whole between two synchronisations and each step gets its mean: a sync after every step would
+    hide the trainer's own waits on the device, which are what a GPU run must show."""
+    n = len(workload.batches)
+    if device.type == "cuda":
+        phases = []
+        _sync(device)
+        started = time.perf_counter()
+        for _ in range(chunk):
+            phases.append(_phase(a["trainer"]))
+            a["step"](workload.batches[a["position"] % n])
+            a["position"] += 1
+        _sync(device)
+        a["times"] += [(time.perf_counter() - started) / chunk] * chunk
+        a["phases"] += phases
+        return
+    for _ in range(chunk):
+        batch = workload.batches[a["position"] % n]
+        a["phases"].append(_phase(a["trainer"]))
+        started = time.thread_time()
+        a["step"](batch)
+        a["times"].append(time.thread_time() - started)
+        a["position"] += 1
+
+
 def time_interleaved(workload: Workload, device: torch.device, warmup: int, steps: int, chunk: int,
                      progress) -> dict[str, dict[str, Any]]:
     """Per arm: step times in one process, arms interleaved chunk by chunk."""
@@ -228,34 +262,8 @@ def time_interleaved(workload: Workload, device: torch.device, warmup: int, step
     names = list(arms)
     rounds = -(-steps // chunk)
     for r in range(rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        for arm in order:
-            a = arms[arm]
-            if device.type == "cuda":
-                # One synchronisation per chunk, not per step: a sync after every step would hide
-                # the trainer's own waits on the device, which are what a GPU run must show.
-                phases = []
-                _sync(device)
-                started = time.perf_counter()
-                for _ in range(chunk):
-                    phases.append(_phase(a["trainer"]))
-                    a["step"](workload.batches[a["position"] % n])
-                    a["position"] += 1
-                _sync(device)
-                per_step = (time.perf_counter() - started) / chunk
-                a["times"] += [per_step] * chunk
-                a["phases"] += phases
-                continue
-            for _ in range(chunk):
-                batch = workload.batches[a["position"] % n]
-                phase = _phase(a["trainer"])
-                # The thread's CPU time: with one thread per process the step's whole work, and
-                # not the time another process held the core (helpers and CI share this machine).
-                started = time.thread_time()
-                a["step"](batch)
-                a["times"].append(time.thread_time() - started)
-                a["phases"].append(phase)
-                a["position"] += 1
+        for arm in names[r % len(names):] + names[:r % len(names)]:
+            _timed_chunk(arms[arm], workload, device, chunk)
         progress.update(1)
     out = {}
     for arm, a in arms.items():
@@ -263,6 +271,62 @@ def time_interleaved(workload: Workload, device: torch.device, warmup: int, step
         if a["trainer"] is not None:
             out[arm]["prediction_enabled_at_end"] = a["trainer"].controller.prediction_enabled
     return out
+
+
+def exploration(workload: Workload, device: torch.device, max_steps: int, chunk: int, progress) -> dict[str, Any]:
+    """What the default config costs while prediction can still run, which the table's default
+    arm (timed after ``--warmup`` steps) leaves out: a fresh plain loop and a fresh default
+    trainer, stepped from their first step in interleaved chunks (timed as in
+    :func:`time_interleaved`) until the trainer has switched prediction off, or ``max_steps``.
+    Sums both arms' times over the steps the trainer took with prediction on; the trainer's mean
+    step by phase beside the plain loop's."""
+    plain_step, _, _ = _arm_step("plain", workload, device)
+    default_step, trainer, _ = _arm_step("default", workload, device)
+    on: list[bool] = []  # per trainer step: could prediction still run when it began
+
+    def step(batch):
+        on.append(trainer.controller.prediction_enabled)
+        return default_step(batch)
+
+    arms = {name: dict(step=fn, trainer=t, position=0, times=[], phases=[])
+            for name, fn, t in (("plain", plain_step, None), ("default", step, trainer))}
+    rounds = 0
+    while trainer.controller.prediction_enabled and len(on) < max_steps:
+        for name in ("plain", "default") if rounds % 2 == 0 else ("default", "plain"):
+            _timed_chunk(arms[name], workload, device, chunk)
+        rounds += 1
+        progress.update(1)
+    steps_on = sum(on)  # a prefix: once off, prediction stays off for the run
+    plain_s, default_s = (sum(arms[name]["times"][:steps_on]) for name in ("plain", "default"))
+    phases = arms["default"]["phases"][:steps_on]
+    by_phase = {p: 1e6 * statistics.fmean([t for t, q in zip(arms["default"]["times"], phases) if q == p])
+                for p in dict.fromkeys(phases)}
+    return dict(steps_on=steps_on, switched_off=not trainer.controller.prediction_enabled, max_steps=max_steps,
+                chunk=chunk, plain_s=plain_s, default_s=default_s,
+                ratio=default_s / plain_s if plain_s > 0 else None, extra_s=default_s - plain_s,
+                plain_mean_us=1e6 * plain_s / steps_on if steps_on else None, default_mean_us_by_phase=by_phase,
+                phases={p: phases.count(p) for p in dict.fromkeys(phases)},
+                disabled_reason=trainer.controller.disabled_reason)
+
+
+def exploration_lines(results: dict[str, Any]) -> list[str]:
+    """Markdown lines of each model's :func:`exploration`."""
+    lines = []
+    for model, r in results["models"].items():
+        e = r.get("exploration")
+        if not e or not e["steps_on"]:
+            continue
+        when = (f"off after {e['steps_on']} steps" if e["switched_off"]
+                else f"still on after {e['steps_on']} steps (the most this run took)")
+        phases = ", ".join(f"{p} {n}" for p, n in e["phases"].items())
+        means = "; ".join(f"{p} {us:.0f}" for p, us in e["default_mean_us_by_phase"].items())
+        lines.append(f"- {model}: {when} ({phases}): {e['ratio']:.2f}× the plain loop's time over them, "
+                     f"{e['extra_s']:+.2f} s in all (mean step, µs: plain {e['plain_mean_us']:.0f}; default {means})")
+    if lines:
+        lines[:0] = ["", "The default config while prediction can still run (the table times it after that): a fresh "
+                     "plain loop and a fresh default trainer from their first step, interleaved chunk by chunk, until "
+                     "the trainer switched prediction off; both arms' time summed over those steps:", ""]
+    return lines
 
 
 # ============================================================================== breakdown ====
@@ -579,7 +643,7 @@ def markdown(results: dict[str, Any]) -> str:
                          f"{fmt(c.get('rss_ratio'), '.3f')} | {_mb((a.get('tensors') or {}).get('tensor_peak_bytes'))} | "
                          f"{fmt(c.get('tensor_ratio'), '.3f')} | {fmt(c.get('memory_ratio'), '.3f')}{basis} | "
                          f"{_mb(c.get('extra_bytes'))} | {_mb(held)} |")
-    lines += ["", *goal_lines(results)]
+    lines += ["", *goal_lines(results), *exploration_lines(results)]
     for model, r in results["models"].items():
         b = r.get("breakdown")
         if b:
@@ -611,6 +675,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk", type=int, default=16, help="steps per arm per interleaving round")
     parser.add_argument("--memory-steps", type=int, default=None, help="steps per memory run (fresh process)")
     parser.add_argument("--batches", type=int, default=64, help="distinct batches, cycled")
+    parser.add_argument("--explore-steps", type=int, default=None,
+                        help="most steps of the default config's run from its first step until prediction is off "
+                             "(0: none)")
     parser.add_argument("--breakdown-steps", type=int, default=None,
                         help="steps of the predict=False arm timed part by part (models under 5M parameters; 0: none)")
     parser.add_argument("--merge", action="store_true",
@@ -637,6 +704,7 @@ def main(argv: list[str] | None = None) -> int:
     models = args.models or (["tiny", "small"] if args.quick else ["tiny", "mlp-1ms", "fashion", "charlm", "mlp-50m"])
     warmup = args.warmup if args.warmup is not None else (25 if args.quick else 60)
     default_steps = 20 if args.quick else 400
+    explore_steps = args.explore_steps if args.explore_steps is not None else (40 if args.quick else 400)
     memory_steps = args.memory_steps if args.memory_steps is not None else (30 if args.quick else 120)
     command = "python -m bench.overhead " + " ".join(sys.argv[1:] if argv is None else argv)
     meta = run_metadata(command)
@@ -644,7 +712,7 @@ def main(argv: list[str] | None = None) -> int:
                                    host=platform.node(), threads=torch.get_num_threads(), models={},
                                    settings=dict(warmup=warmup, steps=args.steps or default_steps,
                                                  short_step_models_steps=None if args.quick or args.steps else 4 * default_steps,
-                                                 chunk=args.chunk,
+                                                 chunk=args.chunk, explore_steps=explore_steps,
                                                  memory_steps=memory_steps, batches=args.batches))
     suffix = ("_quick" if args.quick else "") + ("" if device.type == "cpu" else f"_{device.type}")
     existing = args.out / f"overhead{suffix}.json"
@@ -663,8 +731,9 @@ def main(argv: list[str] | None = None) -> int:
             for arm in [*ARMS, GUARD_FLOOR]:  # an arm the old run did not have stays untimed ("–")
                 if (old["arms"].get(arm) or {}).get("time"):
                     entry["arms"].setdefault(arm, {})["time"] = old["arms"][arm]["time"]
-            if old.get("breakdown"):
-                entry["breakdown"] = old["breakdown"]
+            for key in ("breakdown", "exploration"):
+                if old.get(key):
+                    entry[key] = old[key]
             entry["time_run"] = old.get("time_run") or old["run"]
         elif not big:
             steps = args.steps if args.steps is not None else (
@@ -675,6 +744,9 @@ def main(argv: list[str] | None = None) -> int:
             parts_steps = args.breakdown_steps if args.breakdown_steps is not None else (10 if args.quick else 300)
             if parts_steps:
                 entry["breakdown"] = breakdown(workload, "predict=False", device, warmup, parts_steps)
+        if not args.memory_only and explore_steps:
+            with tqdm(total=-(-explore_steps // args.chunk), desc=f"{name}: until prediction is off", leave=False) as bar:
+                entry["exploration"] = exploration(workload, device, explore_steps, args.chunk, bar)
         del workload
         gc.collect()
         big_memory_steps = min(memory_steps, 60) if big else memory_steps

@@ -63,6 +63,29 @@ def test_tensor_peak_of_a_plain_adamw_loop_is_its_state_plus_the_steps_transient
     assert 2 * largest <= peak.peak_bytes - peak.end_bytes <= 2 * largest + 64_000
 
 
+class _NoProgress:
+    def update(self, n: int) -> None:
+        pass
+
+
+def test_exploration_times_the_default_config_from_its_first_step_until_prediction_is_off():
+    workload = overhead.make_workload("tiny", 8, torch.device("cpu"))
+    e = overhead.exploration(workload, torch.device("cpu"), max_steps=400, chunk=7, progress=_NoProgress())
+    # The gate switches prediction off on the tiny model (a predicted step cannot pay there).
+    assert e["switched_off"] and 0 < e["steps_on"] < 400 and "prediction is off" in e["disabled_reason"]
+    assert e["phases"]["WARMUP"] == 20 and sum(e["phases"].values()) == e["steps_on"]  # HybridConfig().warmup_steps
+    # It goes off at a phase decision, the end of a 20-step FULL phase, not at the end of the
+    # 7-step chunk the bench was in: the steps after it are not counted.
+    assert (e["steps_on"] - 20) % 20 == 0
+    assert e["ratio"] == pytest.approx(e["default_s"] / e["plain_s"])
+    assert e["extra_s"] == pytest.approx(e["default_s"] - e["plain_s"])
+    # The per-phase means are of the steps taken with prediction on, which make up default_s.
+    assert sum(e["default_mean_us_by_phase"][p] * n for p, n in e["phases"].items()) == pytest.approx(1e6 * e["default_s"])
+    assert e["plain_mean_us"] == pytest.approx(1e6 * e["plain_s"] / e["steps_on"])
+    lines = "\n".join(overhead.exploration_lines({"models": {"tiny": {"exploration": e}}}))
+    assert f"tiny: off after {e['steps_on']} steps (WARMUP 20, FULL" in lines
+
+
 @pytest.mark.slow
 def test_quick_run_reports_every_arm_with_ratios_from_its_measurements(tmp_path):
     assert overhead.main(["--quick", "--models", "tiny", "--warmup", "3", "--steps", "10", "--chunk", "5",
@@ -91,5 +114,8 @@ def test_quick_run_reports_every_arm_with_ratios_from_its_measurements(tmp_path)
     assert parts["arm"] == "predict=False" and parts["parts_us"]["gradient norm and read (guard)"] > 0
     assert parts["own_us"] == pytest.approx(parts["step_us"] - sum(
         parts["parts_us"][k] for k in ("model forward", "backward", "optimizer step")))
+    explored = results["models"]["tiny"]["exploration"]  # --quick: at most 40 steps, too few for the gate
+    assert explored["steps_on"] == 40 and not explored["switched_off"] and explored["plain_s"] > 0
     table = (tmp_path / "overhead_quick.md").read_text()
     assert "| tiny |" in table and "| weight_average |" in table
+    assert "- tiny: still on after 40 steps" in table
