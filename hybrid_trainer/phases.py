@@ -52,6 +52,11 @@ class PhaseController:
         self.consecutive_rejections = 0
         self.consecutive_declines = 0
         self.decline_margins: list[float] = []  # worth − required at each of those declines (when measured)
+        # FULL-phase steps since the worth was last judged. A divergence rollback restarts the
+        # FULL phase (force_full); rollbacks closer together than a phase would otherwise keep the
+        # worth from ever being judged, and the recording from ever stopping (bench.overhead's
+        # 51M MLP at lr 1e-3 rolled back every ~7 steps and recorded for 400 steps at 1.13x).
+        self.steps_since_decision = 0
         self.backoff = 1
         self.last_predict_rejected = False
         self.disabled_reason: str | None = None if config.predict else PREDICT_OFF_REASON
@@ -105,7 +110,14 @@ class PhaseController:
         not confident yet delays prediction without ending it), and a run of declines whose
         margins are significantly negative switches it off early."""
         self.phase_step += 1
+        judging = self.phase is Phase.FULL and self.disabled_reason is None  # the worth is judged in FULL phases
+        if judging:
+            self.steps_since_decision += 1
         if self.phase_step < self.length:
+            if judging and self.steps_since_decision >= self.config.full_steps * self.backoff:
+                # Rollbacks restarted this FULL phase before it could end: the worth is judged all
+                # the same, but no PREDICT phase starts so soon after a divergence.
+                self._judge_worth(worth_margin)
             return
         cfg = self.config
         worth_ok = worth_margin is not None and worth_margin >= 0
@@ -126,25 +138,34 @@ class PhaseController:
             return
         length = self._choose_length(confidence) if self.prediction_enabled and worth_ok else None
         if length is None:
-            if self.prediction_enabled and not worth_ok:
-                self.consecutive_declines += 1
-                if worth_margin is not None:
-                    self.decline_margins.append(float(worth_margin))
-                early = self._shortfall_is_significant()
-                if early or self.consecutive_declines >= cfg.max_consecutive_declines:
-                    shortfall = (f" (by {-statistics.fmean(self.decline_margins):.2f} on average, "
-                                 f"beyond {EARLY_OFF_Z:g} standard errors)" if early else "")
-                    self.disabled_reason = (f"{self.consecutive_declines} phase decisions in a row found a predicted "
-                                            "step worth less than it costs (min_predicted_worth plus the measured "
-                                            f"cost of the prediction machinery){shortfall}; prediction is off for "
-                                            "the rest of the run")
+            if self.prediction_enabled or worth_ok:
+                self._judge_worth(worth_margin)
             self.cycles = 0
             self._enter(Phase.FULL, cfg.full_steps * self.backoff)
         else:
             self._enter(Phase.PREDICT, length)
-        if worth_ok:
+            self._judge_worth(worth_margin)
+
+    def _judge_worth(self, worth_margin: float | None) -> None:
+        """One judgment of the worth at a phase decision: a passing worth resets the evidence of
+        declines; a failing one (or one not measured yet) is a decline, and enough declines, or
+        significantly negative margins, switch prediction off for the run."""
+        self.steps_since_decision = 0
+        if worth_margin is not None and worth_margin >= 0:
             self.consecutive_declines = 0
             self.decline_margins = []
+            return
+        self.consecutive_declines += 1
+        if worth_margin is not None:
+            self.decline_margins.append(float(worth_margin))
+        early = self._shortfall_is_significant()
+        if early or self.consecutive_declines >= self.config.max_consecutive_declines:
+            shortfall = (f" (by {-statistics.fmean(self.decline_margins):.2f} on average, "
+                         f"beyond {EARLY_OFF_Z:g} standard errors)" if early else "")
+            self.disabled_reason = (f"{self.consecutive_declines} phase decisions in a row found a predicted "
+                                    "step worth less than it costs (min_predicted_worth plus the measured "
+                                    f"cost of the prediction machinery){shortfall}; prediction is off for "
+                                    "the rest of the run")
 
     def _shortfall_is_significant(self) -> bool:
         margins = self.decline_margins
@@ -172,6 +193,8 @@ class PhaseController:
         return chosen
 
     def _enter(self, phase: Phase, length: int) -> None:
+        if phase is Phase.FULL and self.phase is not Phase.FULL:
+            self.steps_since_decision = 0  # counted from the first step of FULL phases in a row
         self.phase, self.phase_step, self.length = phase, 0, max(1, int(length))
 
     # -- checkpoint --------------------------------------------------------------------------
@@ -180,6 +203,7 @@ class PhaseController:
             "phase": self.phase.value, "phase_step": self.phase_step, "length": self.length,
             "cycles": self.cycles, "consecutive_rejections": self.consecutive_rejections,
             "consecutive_declines": self.consecutive_declines, "decline_margins": list(self.decline_margins),
+            "steps_since_decision": self.steps_since_decision,
             "backoff": self.backoff, "last_predict_rejected": self.last_predict_rejected,
             "disabled_reason": self.disabled_reason, "outcomes": list(self.outcomes),
             "bandit": None if self.bandit is None else self.bandit.state_dict(),
@@ -192,6 +216,9 @@ class PhaseController:
         self.cycles, self.consecutive_rejections = state["cycles"], state["consecutive_rejections"]
         self.consecutive_declines = state["consecutive_declines"]
         self.decline_margins = list(state.get("decline_margins", []))  # absent in checkpoints before it existed
+        # Absent before rollbacks stopped postponing the worth's judgment: the phase's own count.
+        self.steps_since_decision = state.get("steps_since_decision",
+                                              state["phase_step"] if state["phase"] == Phase.FULL.value else 0)
         self.backoff, self.last_predict_rejected = state["backoff"], state["last_predict_rejected"]
         # The resuming run's config has the last word on whether to predict at all; a switch-off
         # the earlier run measured (worth, rejections) stays.

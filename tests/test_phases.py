@@ -74,6 +74,60 @@ def test_decline_margins_survive_a_checkpoint_and_old_states_load():
     assert older.decline_margins == [] and older.consecutive_declines == 2
 
 
+def restarted_every_other_step(controller, margin, confidence=never_confident, steps=60):
+    """FULL steps with a divergence rollback (``force_full``) after every second one, so that no
+    FULL phase of 3 steps ever ends; returns the steps taken until prediction went off (or all)."""
+    for step in range(1, steps + 1):
+        controller.advance(confidence, worth_margin=margin(step) if callable(margin) else margin)
+        assert controller.phase is Phase.FULL  # no PREDICT phase so soon after a divergence
+        if not controller.prediction_enabled:
+            return step
+        if step % 2 == 0:
+            controller.force_full()
+    return steps
+
+
+def test_rollbacks_that_restart_every_full_phase_do_not_keep_the_worth_from_being_judged():
+    controller = PhaseController(CONFIG)
+    finish_phase(controller, None)  # WARMUP → FULL
+    # Judged every full_steps (3) FULL steps however the phases were cut: three clear declines.
+    steps = restarted_every_other_step(controller, lambda step: -0.2 - 0.01 * (step % 3))
+    assert steps == 9 and not controller.prediction_enabled
+    assert controller.consecutive_declines == 3 and "standard errors" in controller.disabled_reason
+
+
+def test_a_passing_worth_between_rollbacks_resets_the_evidence_and_starts_nothing():
+    controller = PhaseController(CONFIG)
+    finish_phase(controller, None)
+    finish_phase(controller, -0.3)
+    finish_phase(controller, -0.3)
+    assert controller.consecutive_declines == 2
+    assert restarted_every_other_step(controller, 0.1, confidence=always_confident, steps=12) == 12
+    assert controller.prediction_enabled and controller.consecutive_declines == 0 and controller.decline_margins == []
+    # The phase that finally runs to its end decides as before: worth and confidence start PREDICT.
+    finish_phase(controller, 0.1, confidence=always_confident)
+    assert controller.phase is Phase.PREDICT
+
+
+def test_steps_since_the_last_judgment_survive_a_checkpoint_and_old_states_count_the_phase():
+    controller = PhaseController(CONFIG)
+    finish_phase(controller, None)
+    controller.advance(never_confident, worth_margin=-0.3)
+    controller.force_full()  # a rollback one step into the phase: that step still counts
+    controller.advance(never_confident, worth_margin=-0.3)
+    state = controller.state_dict()
+    assert state["steps_since_decision"] == 2 and state["phase_step"] == 1
+    resumed = PhaseController(CONFIG)
+    resumed.load_state_dict(state)
+    assert resumed.steps_since_decision == 2
+    resumed.advance(never_confident, worth_margin=-0.3)  # the third FULL step: judged
+    assert resumed.consecutive_declines == 1 and resumed.steps_since_decision == 0
+    del state["steps_since_decision"]
+    older = PhaseController(CONFIG)
+    older.load_state_dict(state)
+    assert older.steps_since_decision == 1  # the FULL phase's own steps
+
+
 @pytest.mark.parametrize("margins", [[-0.5, -0.5], [-0.01, -0.4, -0.02, -0.01]])
 def test_fewer_than_three_or_scattered_declines_do_not_end_early(margins):
     n, _ = decisions_until_off(margins)
