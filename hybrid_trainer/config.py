@@ -46,6 +46,10 @@ class HybridConfig:
             worth after which prediction is switched off for the run, so the trainer stops
             recording; from the 3rd such decision on it is switched off as soon as the shortfall
             is significant (mean of ``worth − required`` plus two standard errors below zero).
+        max_decisions_without_predict: phase decisions in a row that started no PREDICT phase,
+            for whatever reason (a worth too low, or a forecaster never confident enough), after
+            which prediction is switched off for the run: the bound on how long the trainer
+            records updates to find out whether prediction pays (20 steps each by default).
         cost_aware: raise that threshold by the measured cost of the prediction machinery
             (recording, state encoder, dynamics model) per real step, times the real steps per
             predicted step of the schedule (:mod:`hybrid_trainer.cost`): on a model whose step
@@ -163,6 +167,7 @@ class HybridConfig:
     max_consecutive_rejections: int = 4
     min_predicted_worth: float = 0.1
     max_consecutive_declines: int = 5
+    max_decisions_without_predict: int = 10
     cost_aware: bool = True
     use_bandit: bool = False
     bandit_alpha: float = 1.0
@@ -256,6 +261,8 @@ class HybridConfig:
              "a float in [-1, 10]")
         need("max_consecutive_declines", is_int(self.max_consecutive_declines) and self.max_consecutive_declines >= 1,
              "an int >= 1")
+        need("max_decisions_without_predict",
+             is_int(self.max_decisions_without_predict) and self.max_decisions_without_predict >= 1, "an int >= 1")
         need("cost_aware", isinstance(self.cost_aware, bool), "a bool")
         need("use_bandit", isinstance(self.use_bandit, bool), "a bool")
         need("bandit_alpha", is_num(self.bandit_alpha) and self.bandit_alpha >= 0, "a float >= 0")

@@ -57,6 +57,10 @@ class PhaseController:
         # worth from ever being judged, and the recording from ever stopping (bench.overhead's
         # 51M MLP at lr 1e-3 rolled back every ~7 steps and recorded for 400 steps at 1.13x).
         self.steps_since_decision = 0
+        # Decisions in a row that started no PREDICT phase (max_decisions_without_predict): a
+        # forecaster that never grows confident would otherwise keep the recording on for good
+        # while the worth passes (bench.overhead's 51M MLP: worth 1.1-2.8, confidence 0).
+        self.decisions_without_predict = 0
         self.backoff = 1
         self.last_predict_rejected = False
         self.disabled_reason: str | None = None if config.predict else PREDICT_OFF_REASON
@@ -117,7 +121,7 @@ class PhaseController:
             if judging and self.steps_since_decision >= self.config.full_steps * self.backoff:
                 # Rollbacks restarted this FULL phase before it could end: the worth is judged all
                 # the same, but no PREDICT phase starts so soon after a divergence.
-                self._judge_worth(worth_margin)
+                self._judge_worth(worth_margin, predicting=False)
             return
         cfg = self.config
         worth_ok = worth_margin is not None and worth_margin >= 0
@@ -139,33 +143,45 @@ class PhaseController:
         length = self._choose_length(confidence) if self.prediction_enabled and worth_ok else None
         if length is None:
             if self.prediction_enabled or worth_ok:
-                self._judge_worth(worth_margin)
+                self._judge_worth(worth_margin, predicting=False)
             self.cycles = 0
             self._enter(Phase.FULL, cfg.full_steps * self.backoff)
         else:
             self._enter(Phase.PREDICT, length)
-            self._judge_worth(worth_margin)
+            self._judge_worth(worth_margin, predicting=True)
 
-    def _judge_worth(self, worth_margin: float | None) -> None:
-        """One judgment of the worth at a phase decision: a passing worth resets the evidence of
-        declines; a failing one (or one not measured yet) is a decline, and enough declines, or
-        significantly negative margins, switch prediction off for the run."""
+    def _judge_worth(self, worth_margin: float | None, predicting: bool = False) -> None:
+        """One judgment of the worth at a phase decision (``predicting``: it starts a PREDICT
+        phase). A passing worth resets the evidence of declines; a failing one (or one not
+        measured yet) is a decline. Enough declines, significantly negative margins, or
+        ``max_decisions_without_predict`` decisions in a row that started no PREDICT phase
+        switch prediction off for the run."""
         self.steps_since_decision = 0
+        self.decisions_without_predict = 0 if predicting else self.decisions_without_predict + 1
         if worth_margin is not None and worth_margin >= 0:
             self.consecutive_declines = 0
             self.decline_margins = []
-            return
-        self.consecutive_declines += 1
-        if worth_margin is not None:
-            self.decline_margins.append(float(worth_margin))
-        early = self._shortfall_is_significant()
-        if early or self.consecutive_declines >= self.config.max_consecutive_declines:
+        else:
+            self.consecutive_declines += 1
+            if worth_margin is not None:
+                self.decline_margins.append(float(worth_margin))
+        self.disabled_reason = self.disabled_reason or self._switch_off_reason()
+
+    def _switch_off_reason(self) -> str | None:
+        """Why prediction goes off for the run after this decision, or None."""
+        cfg = self.config
+        early = self.consecutive_declines > 0 and self._shortfall_is_significant()
+        if early or self.consecutive_declines >= cfg.max_consecutive_declines:
             shortfall = (f" (by {-statistics.fmean(self.decline_margins):.2f} on average, "
                          f"beyond {EARLY_OFF_Z:g} standard errors)" if early else "")
-            self.disabled_reason = (f"{self.consecutive_declines} phase decisions in a row found a predicted "
-                                    "step worth less than it costs (min_predicted_worth plus the measured "
-                                    f"cost of the prediction machinery){shortfall}; prediction is off for "
-                                    "the rest of the run")
+            return (f"{self.consecutive_declines} phase decisions in a row found a predicted step worth less than "
+                    "it costs (min_predicted_worth plus the measured cost of the prediction machinery)"
+                    f"{shortfall}; prediction is off for the rest of the run")
+        if self.decisions_without_predict >= cfg.max_decisions_without_predict:
+            return (f"{self.decisions_without_predict} phase decisions in a row started no PREDICT phase (a predicted "
+                    "step not worth its cost, or the forecaster's confidence below confidence_threshold); "
+                    "prediction is off for the rest of the run")
+        return None
 
     def _shortfall_is_significant(self) -> bool:
         margins = self.decline_margins
@@ -204,6 +220,7 @@ class PhaseController:
             "cycles": self.cycles, "consecutive_rejections": self.consecutive_rejections,
             "consecutive_declines": self.consecutive_declines, "decline_margins": list(self.decline_margins),
             "steps_since_decision": self.steps_since_decision,
+            "decisions_without_predict": self.decisions_without_predict,
             "backoff": self.backoff, "last_predict_rejected": self.last_predict_rejected,
             "disabled_reason": self.disabled_reason, "outcomes": list(self.outcomes),
             "bandit": None if self.bandit is None else self.bandit.state_dict(),
@@ -219,6 +236,7 @@ class PhaseController:
         # Absent before rollbacks stopped postponing the worth's judgment: the phase's own count.
         self.steps_since_decision = state.get("steps_since_decision",
                                               state["phase_step"] if state["phase"] == Phase.FULL.value else 0)
+        self.decisions_without_predict = state.get("decisions_without_predict", 0)  # absent before it existed
         self.backoff, self.last_predict_rejected = state["backoff"], state["last_predict_rejected"]
         # The resuming run's config has the last word on whether to predict at all; a switch-off
         # the earlier run measured (worth, rejections) stays.

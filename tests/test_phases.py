@@ -128,6 +128,40 @@ def test_steps_since_the_last_judgment_survive_a_checkpoint_and_old_states_count
     assert older.steps_since_decision == 1  # the FULL phase's own steps
 
 
+@pytest.mark.parametrize("margins", [[0.1] * 6,  # the worth passes; the forecaster is never confident
+                                     [-0.3, 0.1, -0.3, 0.1, -0.3, 0.1]])  # neither rule's evidence piles up
+def test_decisions_that_never_start_a_predict_phase_switch_it_off_at_their_limit(margins):
+    controller = PhaseController(HybridConfig(warmup_steps=2, full_steps=3, max_consecutive_declines=5,
+                                              max_decisions_without_predict=4))
+    finish_phase(controller, None)
+    for n, margin in enumerate(margins, start=1):
+        finish_phase(controller, margin)
+        if not controller.prediction_enabled:
+            break
+    assert n == 4 and controller.decisions_without_predict == 4
+    assert controller.disabled_reason.startswith("4 phase decisions in a row started no PREDICT phase")
+
+
+def test_a_predict_phase_restarts_the_count_of_decisions_without_one():
+    controller = controller_in_full(max_decisions_without_predict=3)
+    finish_phase(controller, 0.1)  # not confident: one decision without PREDICT
+    finish_phase(controller, 0.1)
+    assert controller.decisions_without_predict == 2
+    finish_phase(controller, 0.1, confidence=always_confident)
+    assert controller.phase is Phase.PREDICT and controller.decisions_without_predict == 0
+    state = controller.state_dict()
+    assert state["decisions_without_predict"] == 0
+    finish_phase(controller, 0.1)  # PREDICT → CORRECT
+    state = dict(controller.state_dict(), decisions_without_predict=2)
+    resumed = PhaseController(controller.config)
+    resumed.load_state_dict(state)
+    assert resumed.decisions_without_predict == 2
+    del state["decisions_without_predict"]
+    older = PhaseController(controller.config)
+    older.load_state_dict(state)
+    assert older.decisions_without_predict == 0 and older.prediction_enabled
+
+
 @pytest.mark.parametrize("margins", [[-0.5, -0.5], [-0.01, -0.4, -0.02, -0.01]])
 def test_fewer_than_three_or_scattered_declines_do_not_end_early(margins):
     n, _ = decisions_until_off(margins)
