@@ -126,7 +126,15 @@ def _overhead_rows() -> list[tuple[str, str, str]]:
     entries = [data["models"][m] for m in models]
     time_cmd = commands(e.get("time_run") or e.get("run") or data for e in entries)
     cmd = commands(e.get("run") or data for e in entries)
-    return [
+    explored = {m: data["models"][m]["exploration"] for m in models if data["models"][m].get("exploration")}
+    exploration_rows = [] if not explored else [
+        (f"The default config while it finds out whether prediction pays, from the first step until the gate "
+         f"switches prediction off ({' / '.join(OVERHEAD_MODELS[m] for m in explored)})",
+         "off after " + " / ".join(str(e["steps_on"]) + ("" if e["switched_off"] else "+") for e in explored.values())
+         + " steps; " + " / ".join(f"{e['ratio']:.2f}" for e in explored.values())
+         + "× the plain loop's time over them (" + " / ".join(f"{e['extra_s']:+.2f}" for e in explored.values())
+         + " s in all); after that it steps as with prediction off (the row above)", time_cmd)]
+    rows = [
         (f"The trainer's cost per step next to the plain loop, prediction off ({names})",
          f"+{vs('predict=False', 'overhead_us', '.0f')} µs, i.e. {vs('predict=False', 'time_ratio', '.3f')}× "
          f"(goal: ≤ 50 µs, ≤ 1.02× on steps of 5 ms or more)"
@@ -143,6 +151,7 @@ def _overhead_rows() -> list[tuple[str, str, str]]:
          f"T: exact peak of live tensor bytes, where peak RSS moves more between runs than 3% of the plain "
          f"loop's; R: peak RSS){fixed_bytes()}", cmd),
     ]
+    return rows[:1] + exploration_rows + rows[1:]
 
 
 def _capacity_rows() -> list[tuple[str, str, str]]:
