@@ -54,12 +54,13 @@ class PhaseController:
         self.decline_margins: list[float] = []  # worth − required at each of those declines (when measured)
         # FULL-phase steps since the worth was last judged. A divergence rollback restarts the
         # FULL phase (force_full); rollbacks closer together than a phase would otherwise keep the
-        # worth from ever being judged, and the recording from ever stopping (bench.overhead's
-        # 51M MLP at lr 1e-3 rolled back every ~7 steps and recorded for 400 steps at 1.13x).
+        # worth from ever being judged, and the recording from ever stopping (it did on
+        # bench.overhead's 51M MLP, whose gradient norm spiked every few steps).
         self.steps_since_decision = 0
         # Decisions in a row that started no PREDICT phase (max_decisions_without_predict): a
         # forecaster that never grows confident would otherwise keep the recording on for good
-        # while the worth passes (bench.overhead's 51M MLP: worth 1.1-2.8, confidence 0).
+        # while the worth passes (it did on bench.overhead's 51M MLP once the rollbacks above
+        # no longer kept the decisions from being made).
         self.decisions_without_predict = 0
         self.backoff = 1
         self.last_predict_rejected = False
