@@ -76,6 +76,14 @@ def text_command(path: Path) -> str | None:
     return match.group(0).strip() if match else None
 
 
+def text_header_commit(path: Path) -> tuple[str | None, str | None]:
+    """(commit, date) a Markdown or text result's first line records, as the tables
+    :mod:`bench.protocol`'s callers print write it (``(<ISO date>, commit <hex>, ...``)."""
+    lines = path.read_text(errors="replace").splitlines()
+    match = re.search(r"\((\d{4}-\d\d-\d\d)T[^,]*, commit ([0-9a-f]{7,40})", lines[0] if lines else "")
+    return (match.group(2), match.group(1)) if match else (None, None)
+
+
 def last_change(path: Path) -> str:
     """The last commit that added or changed ``path`` (renames followed, not counted)."""
     out = subprocess.run(["git", "-C", str(ROOT), "log", "-1", "--follow", "--diff-filter=AM", "--format=%h %cs", "--",
@@ -97,7 +105,8 @@ def entries(folder: str) -> list[Entry]:
         if path.suffix == ".json":
             command, date, commit, dirty = recorded(json.loads((ROOT / path).read_text()))
         elif path.suffix in (".md", ".txt"):
-            command, date, commit, dirty = text_command(ROOT / path), None, None, None
+            commit, date = text_header_commit(ROOT / path)
+            command, dirty = text_command(ROOT / path), None
         else:
             command, date, commit, dirty = None, None, None, None
         where = (f"{commit[:10]}" + (" (uncommitted changes)" if dirty else "")) if commit else last_change(path)

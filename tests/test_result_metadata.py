@@ -107,3 +107,15 @@ def test_results_index_shows_commands_as_they_run_today():
         "python -m bench.e2e --tasks digits-full --out experiments/results/fullbatch"
     assert current_command("python -m bench.e2e", Path("docs/results/e2e_charlm.json")) == "python -m bench.e2e"
     assert current_command(None, moved) is None
+
+
+def test_results_index_reads_the_commit_a_printed_table_records(tmp_path):
+    from bench import results_index
+
+    printed = tmp_path / "table.md"
+    printed.write_text("Trainer overhead over the plain AdamW loop, `python -m bench.overhead` "
+                       "(2026-11-24T18:48:27+00:00, commit c7dca11294, torch 2.13.0+cpu, cpu, 1 thread(s)).\n\n| a |\n")
+    assert results_index.text_header_commit(printed) == ("c7dca11294", "2026-11-24")
+    plain = tmp_path / "notes.md"
+    plain.write_text("A table without its run's header; commit c7dca11 is mentioned later.\n")
+    assert results_index.text_header_commit(plain) == (None, None)
