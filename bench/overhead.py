@@ -22,10 +22,9 @@ the same initial weights, the same batches in the same order and the same seed.
   with one thread per process that is all of the step's work, without the time other processes
   held the core. For the trainer also the median over its real steps only (the default
   config's predicted steps skip the backward, which is a saving, not an overhead). The fixed
-  cost is the difference of the chunk medians in µs, the ratio their quotient. Models above
-  ``IN_PROCESS_PARAMS`` (the 51M one) are timed the same way over fewer steps in smaller chunks
-  (``BIG_*``); above ``INTERLEAVED_MAX_PARAMS`` inside their memory subprocess instead, one arm
-  after another (on a CPU by the thread's CPU time too).
+  cost is the difference of the chunk medians in µs, the ratio their quotient. Larger models
+  (the ≥50M one) are timed inside their memory subprocess, one arm after another (on a CPU by
+  the thread's CPU time too).
 * **While prediction can still run** (``--explore-steps``, every model): the arms above are timed
   after ``--warmup`` steps, by which the default config has mostly finished recording updates to
   find out whether prediction pays. That part is timed apart: a fresh plain loop and a fresh
@@ -90,13 +89,7 @@ ARMS: dict[str, dict[str, Any] | None] = {
 # norm, one pass over the gradients, and a read of it and the loss). The trainer's overhead above
 # this arm's is its own bookkeeping; this arm's above the plain loop is the floor of the guard.
 GUARD_FLOOR = "plain + norm and read (guard floor)"
-IN_PROCESS_PARAMS = 5_000_000  # above this a model is "big": fewer, shorter timed steps and no breakdown
-# Up to this many parameters the arms are timed interleaved in one process (the 51M model's six
-# arms hold ~6 GB together); above it each arm is timed in its own memory process, one after
-# another, which on this host moved the 51M model's predict=False figure by several percent
-# between runs of one day (docs/trainer.md), more than the 2% goal.
-INTERLEAVED_MAX_PARAMS = 100_000_000
-BIG_WARMUP, BIG_STEPS, BIG_CHUNK = 20, 40, 4  # a big model's untimed and timed steps per arm, chunk size
+IN_PROCESS_PARAMS = 5_000_000  # above this, all arms in one process would hold too much memory at once
 # Steps under ~6 ms: timed over 4x the steps (a few seconds per arm), since their overheads are
 # tens of µs and the run-to-run spread of one 400-step run was of that size.
 SHORT_STEP_MODELS = ("tiny", "mlp-1ms", "fashion")
@@ -610,10 +603,9 @@ def markdown(results: dict[str, Any]) -> str:
     lines = [f"Trainer overhead over the plain AdamW loop, `{results['command']}` ({results['date']}, commit "
              f"{(results['git']['commit'] or '?')[:10]}{' + uncommitted changes' if results['git']['dirty'] else ''}, "
              f"torch {results['torch']}, {results['device']}, {results['threads']} thread(s)).", "",
-             "Time: median over chunks of the chunk's mean step (so a cost paid every N steps counts), arms "
-             f"interleaved in one process (chunks of 16 steps; of {BIG_CHUNK} above {IN_PROCESS_PARAMS / 1e6:.0f}M "
-             f"parameters; one arm after another in its memory process above {INTERLEAVED_MAX_PARAMS / 1e6:.0f}M) "
-             "(each model's chunk and steps are in the JSON); overhead = trainer − plain. Real steps: the trainer's non-predicted "
+             "Time: median over chunks of 16 steps of the chunk's mean step (so a cost paid every N steps counts), "
+             "arms interleaved in one process (models ≤ 5M parameters) or one after another in "
+             "their memory process (larger); overhead = trainer − plain. Real steps: the trainer's non-predicted "
              "steps. Memory, each arm in fresh processes: peak RSS above the baseline after data loading (what a "
              "user meets: tensors, Python objects, allocator slack), and the exact peak of live tensor bytes "
              "(every allocation and free of torch's CPU allocator, summed in time order from before the model is "
@@ -743,16 +735,14 @@ def main(argv: list[str] | None = None) -> int:
                 if old.get(key):
                     entry[key] = old[key]
             entry["time_run"] = old.get("time_run") or old["run"]
-        elif not big or n_params <= INTERLEAVED_MAX_PARAMS and not args.memory_only:
+        elif not big:
             steps = args.steps if args.steps is not None else (
-                BIG_STEPS if big else default_steps if args.quick or name not in SHORT_STEP_MODELS else 4 * default_steps)
-            chunk = BIG_CHUNK if big else args.chunk
-            with tqdm(total=-(-steps // chunk), desc=f"{name}: time", leave=False) as bar:
-                for arm, t in time_interleaved(workload, device, min(warmup, BIG_WARMUP) if big else warmup, steps,
-                                               chunk, bar).items():
+                default_steps if args.quick or name not in SHORT_STEP_MODELS else 4 * default_steps)
+            with tqdm(total=-(-steps // args.chunk), desc=f"{name}: time", leave=False) as bar:
+                for arm, t in time_interleaved(workload, device, warmup, steps, args.chunk, bar).items():
                     entry["arms"].setdefault(arm, {})["time"] = t
             parts_steps = args.breakdown_steps if args.breakdown_steps is not None else (10 if args.quick else 300)
-            if parts_steps and not big:
+            if parts_steps:
                 entry["breakdown"] = breakdown(workload, "predict=False", device, warmup, parts_steps)
         if not args.memory_only and explore_steps:
             with tqdm(total=-(-explore_steps // args.chunk), desc=f"{name}: until prediction is off", leave=False) as bar:
@@ -760,8 +750,7 @@ def main(argv: list[str] | None = None) -> int:
         del workload
         gc.collect()
         big_memory_steps = min(memory_steps, 60) if big else memory_steps
-        timed_in_child = big and not entry["arms"]["plain"].get("time")  # above INTERLEAVED_MAX_PARAMS
-        time_steps = min(20, big_memory_steps // 2) if timed_in_child else 0
+        time_steps = min(20, big_memory_steps // 2) if big else 0
         for arm in tqdm(ARMS, desc=f"{name}: memory", leave=False):
             n_batches = args.batches if not big else 8
             child = run_memory_child(name, arm, args.device, big_memory_steps, n_batches, time_steps)
@@ -769,7 +758,7 @@ def main(argv: list[str] | None = None) -> int:
             if device.type == "cpu":  # on CUDA the allocator's own peak is exact already
                 entry["arms"][arm]["tensors"] = run_memory_child(name, arm, args.device, big_memory_steps, n_batches, 0,
                                                                  measure="tensors")
-            if timed_in_child:
+            if big:
                 entry["arms"][arm]["time"] = child["time"]
         plain = entry["arms"]["plain"]
         for arm, a in entry["arms"].items():
