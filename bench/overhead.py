@@ -8,9 +8,10 @@ default, ``weight_average=True``, and ``predict=False`` with the guard reading e
 ``read_every=16``, a GPU's default), all with AdamW (torch's default implementation for the device),
 the same initial weights, the same batches in the same order and the same seed.
 
-* **Time** (models under ``IN_PROCESS_PARAMS`` parameters): every arm lives in one process and
-  the arms are stepped in interleaved chunks (the order rotated each round), so the machine's
-  load falls on all of them alike. On CUDA a chunk is timed as a whole between two
+* **Time**: the arms are stepped in interleaved chunks (the order rotated each round), so the
+  machine's load falls on all of them alike; up to ``IN_PROCESS_PARAMS`` parameters every arm
+  lives in this process, above it each arm in a process of its own, stepped only when told
+  (:class:`ProcessArm`: two 0.8 GB models in one process interfered). On CUDA a chunk is timed as a whole between two
   synchronisations (each of its steps gets the chunk's mean), so the trainer's own waits on the
   device are in its time. Per arm the median over chunks (``--chunk`` steps, 16 by default) of
   the chunk's mean step time, after ``--warmup`` untimed steps (and an arm that is not a
@@ -22,9 +23,11 @@ the same initial weights, the same batches in the same order and the same seed.
   with one thread per process that is all of the step's work, without the time other processes
   held the core. For the trainer also the median over its real steps only (the default
   config's predicted steps skip the backward, which is a saving, not an overhead). The fixed
-  cost is the difference of the chunk medians in µs, the ratio their quotient. Larger models
-  (the ≥50M one) are timed inside their memory subprocess, one arm after another (on a CPU by
-  the thread's CPU time too).
+  cost is the difference of the chunk medians in µs, the ratio their quotient. The ≥50M model
+  takes ``BIG_WARMUP`` untimed and ``BIG_STEPS`` timed steps per arm in chunks of ``BIG_CHUNK``
+  whose first step is not timed (``BIG_SETTLE``): interleaved, an arm that frees its gradients
+  at the end of its step (the trainer) paid ~0.4 s of page faults on its first step after
+  another arm's chunk, which neither arm pays when it runs alone (:func:`_timed_chunk`).
 * **While prediction can still run** (``--explore-steps``, every model): the arms above are timed
   after ``--warmup`` steps, by which the default config has mostly finished recording updates to
   find out whether prediction pays. That part is timed apart: a fresh plain loop and a fresh
@@ -89,7 +92,11 @@ ARMS: dict[str, dict[str, Any] | None] = {
 # norm, one pass over the gradients, and a read of it and the loss). The trainer's overhead above
 # this arm's is its own bookkeeping; this arm's above the plain loop is the floor of the guard.
 GUARD_FLOOR = "plain + norm and read (guard floor)"
-IN_PROCESS_PARAMS = 5_000_000  # above this, all arms in one process would hold too much memory at once
+IN_PROCESS_PARAMS = 5_000_000  # above this, each arm is stepped in a process of its own (ProcessArm)
+# Above IN_PROCESS_PARAMS (steps of ~0.5 s on one core): untimed steps, timed steps, chunk per arm
+# and the untimed first steps of each chunk (_timed_chunk's settle), and distinct batches (8
+# suffice where the time goes to the weights, not to the data).
+BIG_WARMUP, BIG_STEPS, BIG_CHUNK, BIG_SETTLE, BIG_BATCHES = 20, 40, 5, 1, 8
 # Steps under ~6 ms: timed over 4x the steps (a few seconds per arm), since their overheads are
 # tens of µs and the run-to-run spread of one 400-step run was of that size.
 SHORT_STEP_MODELS = ("tiny", "mlp-1ms", "fashion")
@@ -205,12 +212,17 @@ def _phase(trainer) -> str:
     return "plain" if trainer is None else trainer.controller.phase.value
 
 
-def _time_summary(times_s: list[float], phases: list[str], chunk: int) -> dict[str, Any]:
+def _time_summary(times_s: list[float | None], phases: list[str], chunk: int, settle: int = 0) -> dict[str, Any]:
+    """Step-time statistics of one arm; ``times_s`` holds None for a step run untimed (the first
+    ``settle`` of each chunk of ``chunk``)."""
+    timed = [(t, p) for t, p in zip(times_s, phases) if t is not None]
+    times_s, phases = [t for t, _ in timed], [p for _, p in timed]
+    per_chunk = chunk - settle
     real = [t for t, p in zip(times_s, phases) if p != "PREDICT"]
     # Median over chunks of the chunk's mean step: what happens every N steps (a good-state
     # snapshot, a block read) is in every chunk's mean, where a per-step median would drop it.
-    chunk_means = [statistics.fmean(times_s[i:i + chunk]) for i in range(0, len(times_s) - chunk + 1, chunk)]
-    return dict(steps=len(times_s), chunk=chunk, chunk_median_us=1e6 * statistics.median(chunk_means),
+    chunk_means = [statistics.fmean(times_s[i:i + per_chunk]) for i in range(0, len(times_s) - per_chunk + 1, per_chunk)]
+    return dict(steps=len(times_s), chunk=chunk, settle=settle, chunk_median_us=1e6 * statistics.median(chunk_means),
                 median_us=1e6 * statistics.median(times_s),
                 mean_us=1e6 * statistics.fmean(times_s),
                 real_steps=len(real), real_median_us=1e6 * statistics.median(real) if real else None,
@@ -218,95 +230,239 @@ def _time_summary(times_s: list[float], phases: list[str], chunk: int) -> dict[s
 
 
 # =================================================================================== time ====
-def _timed_chunk(a: dict[str, Any], workload: Workload, device: torch.device, chunk: int) -> None:
-    """Step arm ``a`` (``step``, ``trainer``, ``position``, ``times``, ``phases``) ``chunk`` times,
-    appending each step's time and the phase it ran in. On a CPU a step's time is the thread's
-    CPU time: with one thread per process the step's whole work, and not the time another
-    process held the core (helpers and CI share this machine). On CUDA the chunk is timed as a
-    whole between two synchronisations and each step gets its mean: a sync after every step would
-    hide the trainer's own waits on the device, which are what a GPU run must show."""
-    n = len(workload.batches)
+class LocalArm:
+    """An arm stepped in this process: its step function, its trainer (None for a loop that is
+    not one) and what its timed steps recorded (``times``: seconds; ``phases``; ``on``: whether
+    prediction could still run when each began)."""
+
+    def __init__(self, arm: str, workload: Workload, device: torch.device):
+        self.workload, self.device = workload, device
+        self.step, self.trainer, _ = _arm_step(arm, workload, device)
+        self.position = 0
+        self.times: list[float] = []
+        self.phases: list[str] = []
+        self.on: list[bool] = []
+
+    @property
+    def prediction_enabled(self) -> bool:
+        return self.trainer is not None and self.trainer.controller.prediction_enabled
+
+    @property
+    def disabled_reason(self) -> str | None:
+        return None if self.trainer is None else self.trainer.controller.disabled_reason
+
+    def state(self) -> dict[str, Any]:
+        """What a :class:`ProcessArm` mirrors after each command."""
+        return dict(prediction_enabled=self.prediction_enabled, disabled_reason=self.disabled_reason)
+
+    def run(self, steps: int, timed: bool = True, settle: int = 0) -> None:
+        """Step ``steps`` times on the next batches (cycled); record each step when ``timed``,
+        the first ``settle`` of them untimed (:func:`_timed_chunk`)."""
+        batches = self.workload.batches
+        if not timed:
+            for _ in range(steps):
+                self.step(batches[self.position % len(batches)])
+                self.position += 1
+            return
+        _timed_chunk(self, steps, settle)
+
+    def close(self) -> None:
+        pass
+
+
+def _arm_worker(conn, model_name: str, n_batches: int, arm: str, device_name: str) -> None:
+    """A :class:`ProcessArm`'s process: builds the arm, then runs each ``(steps, timed)`` it
+    receives and sends back what those steps recorded, until it receives None."""
+    import traceback
+
+    try:
+        torch.set_num_threads(1)
+        device = torch.device(device_name)
+        local = LocalArm(arm, make_workload(model_name, n_batches, device), device)
+        conn.send(local.state())
+        while (command := conn.recv()) is not None:
+            steps, timed, settle = command
+            done = len(local.times)
+            local.run(steps, timed, settle)
+            conn.send(dict(local.state(), times=local.times[done:], phases=local.phases[done:], on=local.on[done:]))
+    except BaseException:
+        conn.send(dict(error=traceback.format_exc()))
+
+
+class ProcessArm:
+    """An arm stepped in a process of its own, one command at a time: the arms of a model too big
+    to share a process are still interleaved in time (the machine's drift falls on all of them
+    alike) without sharing a heap. Two 0.8 GB models stepped in one process interfered: the 51M
+    model's trainer arm paid about twice its CPU time on its first step after the plain loop's
+    chunk. Only the commanded arm runs; the others wait on their pipe. Same interface and records
+    as :class:`LocalArm`."""
+
+    def __init__(self, arm: str, workload: Workload, device: torch.device):
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")  # a fresh interpreter: no heap shared with this one
+        self.arm = arm
+        self._conn, child = context.Pipe()
+        self._process = context.Process(target=_arm_worker, daemon=True,
+                                        args=(child, workload.name, len(workload.batches), arm, str(device)))
+        self._process.start()
+        child.close()
+        self.times: list[float] = []
+        self.phases: list[str] = []
+        self.on: list[bool] = []
+        self._mirror(self._reply())
+
+    def _mirror(self, reply: dict[str, Any]) -> None:
+        self.prediction_enabled, self.disabled_reason = reply["prediction_enabled"], reply["disabled_reason"]
+
+    def _reply(self) -> dict[str, Any]:
+        try:
+            reply = self._conn.recv()
+        except EOFError:
+            raise RuntimeError(f"the process of arm {self.arm!r} ended (exit code {self._process.exitcode})") from None
+        if "error" in reply:
+            raise RuntimeError(f"the process of arm {self.arm!r} failed:\n{reply['error']}")
+        return reply
+
+    def run(self, steps: int, timed: bool = True, settle: int = 0) -> None:
+        self._conn.send((steps, timed, settle))
+        reply = self._reply()
+        self.times += reply["times"]
+        self.phases += reply["phases"]
+        self.on += reply["on"]
+        self._mirror(reply)
+
+    def close(self) -> None:
+        if self._process.is_alive():
+            try:
+                self._conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+            self._process.join(timeout=30)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+        self._conn.close()
+
+
+def _timed_chunk(a: LocalArm, chunk: int, settle: int = 0) -> None:
+    """Step arm ``a`` ``chunk`` times, appending each step's time (None for the first ``settle``
+    steps, run untimed), the phase it ran in and whether prediction could still run when it
+    began. On a CPU a step's time is the thread's CPU time: with one thread per process the
+    step's whole work, and not the time another process held the core (helpers and CI share
+    this machine). On CUDA the chunk's timed steps are timed as a whole between two
+    synchronisations and each gets their mean: a sync after every step would hide the trainer's
+    own waits on the device, which are what a GPU run must show.
+
+    ``settle``: interleaved, an arm's first step after another arm's chunk can pay for the
+    switch rather than for itself. On the 51M MLP, a loop that frees its gradients at the end of
+    its step (the trainer does; the plain loop frees them at the start of the next) paid ~0.4 s
+    more kernel time in page faults on that step, the same number of faults, whether the other
+    arm ran in its process or in another one, and not after a pause alone."""
+    batches, device = a.workload.batches, a.device
+    n = len(batches)
+
+    def next_batch():
+        a.phases.append(_phase(a.trainer))
+        a.on.append(a.prediction_enabled)
+        a.position += 1
+        return batches[(a.position - 1) % n]
+
+    for _ in range(settle):
+        a.step(next_batch())
+        a.times.append(None)
     if device.type == "cuda":
-        phases = []
         _sync(device)
         started = time.perf_counter()
-        for _ in range(chunk):
-            phases.append(_phase(a["trainer"]))
-            a["step"](workload.batches[a["position"] % n])
-            a["position"] += 1
+        for _ in range(chunk - settle):
+            a.step(next_batch())
         _sync(device)
-        a["times"] += [(time.perf_counter() - started) / chunk] * chunk
-        a["phases"] += phases
+        a.times += [(time.perf_counter() - started) / (chunk - settle)] * (chunk - settle)
         return
-    for _ in range(chunk):
-        batch = workload.batches[a["position"] % n]
-        a["phases"].append(_phase(a["trainer"]))
+    for _ in range(chunk - settle):
+        batch = next_batch()
         started = time.thread_time()
-        a["step"](batch)
-        a["times"].append(time.thread_time() - started)
-        a["position"] += 1
+        a.step(batch)
+        a.times.append(time.thread_time() - started)
+
+
+def make_arms(names: list[str], workload: Workload, device: torch.device, separate: bool) -> dict[str, Any]:
+    """Arms by name, each a :class:`ProcessArm` (``separate``) or a :class:`LocalArm`; if one
+    cannot be built, those already started are closed."""
+    arms: dict[str, Any] = {}
+    try:
+        for name in names:
+            arms[name] = (ProcessArm if separate else LocalArm)(name, workload, device)
+    except BaseException:
+        for arm in arms.values():
+            arm.close()
+        raise
+    return arms
 
 
 def time_interleaved(workload: Workload, device: torch.device, warmup: int, steps: int, chunk: int,
-                     progress) -> dict[str, dict[str, Any]]:
-    """Per arm: step times in one process, arms interleaved chunk by chunk."""
-    arms = {}
-    for arm in [*ARMS, GUARD_FLOOR]:
-        step, trainer, _ = _arm_step(arm, workload, device)
-        arms[arm] = dict(step=step, trainer=trainer, position=0, times=[], phases=[])
-    n = len(workload.batches)
-    for arm, a in arms.items():  # untimed: past the trainer's warm-up phase and first decisions
-        for _ in range(warmup):
-            a["step"](workload.batches[a["position"] % n])
-            a["position"] += 1
-    names = list(arms)
-    rounds = -(-steps // chunk)
-    for r in range(rounds):
-        for arm in names[r % len(names):] + names[:r % len(names)]:
-            _timed_chunk(arms[arm], workload, device, chunk)
-        progress.update(1)
-    out = {}
-    for arm, a in arms.items():
-        out[arm] = _time_summary(a["times"], a["phases"], chunk)
-        if a["trainer"] is not None:
-            out[arm]["prediction_enabled_at_end"] = a["trainer"].controller.prediction_enabled
-    return out
+                     progress, separate: bool = False, arms: list[str] | None = None,
+                     settle: int = 0) -> dict[str, dict[str, Any]]:
+    """Per arm (``arms``; every arm and the guard floor by default): step times, the arms
+    stepped in interleaved chunks, the order rotated each round; in this process, or each in a
+    process of its own (``separate``); ``steps`` timed steps per arm, each chunk's first
+    ``settle`` steps run untimed besides."""
+    names = arms or [*ARMS, GUARD_FLOOR]
+    runners = make_arms(names, workload, device, separate)
+    try:
+        for runner in runners.values():  # untimed: past the trainer's warm-up phase and first decisions
+            runner.run(warmup, timed=False)
+        for r in range(-(-steps // (chunk - settle))):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                runners[name].run(chunk, settle=settle)
+            progress.update(1)
+        out = {}
+        for name in names:
+            runner = runners[name]
+            out[name] = _time_summary(runner.times, runner.phases, chunk, settle)
+            if name in ARMS and ARMS[name] is not None:
+                out[name]["prediction_enabled_at_end"] = runner.prediction_enabled
+        return out
+    finally:
+        for runner in runners.values():
+            runner.close()
 
 
-def exploration(workload: Workload, device: torch.device, max_steps: int, chunk: int, progress) -> dict[str, Any]:
+def exploration(workload: Workload, device: torch.device, max_steps: int, chunk: int, progress,
+                separate: bool = False, settle: int = 0) -> dict[str, Any]:
     """What the default config costs while prediction can still run, which the table's default
     arm (timed after ``--warmup`` steps) leaves out: a fresh plain loop and a fresh default
     trainer, stepped from their first step in interleaved chunks (timed as in
-    :func:`time_interleaved`) until the trainer has switched prediction off, or ``max_steps``.
-    Sums both arms' times over the steps the trainer took with prediction on; the trainer's mean
-    step by phase beside the plain loop's."""
-    plain_step, _, _ = _arm_step("plain", workload, device)
-    default_step, trainer, _ = _arm_step("default", workload, device)
-    on: list[bool] = []  # per trainer step: could prediction still run when it began
-
-    def step(batch):
-        on.append(trainer.controller.prediction_enabled)
-        return default_step(batch)
-
-    arms = {name: dict(step=fn, trainer=t, position=0, times=[], phases=[])
-            for name, fn, t in (("plain", plain_step, None), ("default", step, trainer))}
-    rounds = 0
-    while trainer.controller.prediction_enabled and len(on) < max_steps:
-        for name in ("plain", "default") if rounds % 2 == 0 else ("default", "plain"):
-            _timed_chunk(arms[name], workload, device, chunk)
-        rounds += 1
-        progress.update(1)
-    steps_on = sum(on)  # a prefix: once off, prediction stays off for the run
-    plain_s, default_s = (sum(arms[name]["times"][:steps_on]) for name in ("plain", "default"))
-    phases = arms["default"]["phases"][:steps_on]
-    by_phase = {p: 1e6 * statistics.fmean([t for t, q in zip(arms["default"]["times"], phases) if q == p])
-                for p in dict.fromkeys(phases)}
-    return dict(steps_on=steps_on, switched_off=not trainer.controller.prediction_enabled, max_steps=max_steps,
-                chunk=chunk, plain_s=plain_s, default_s=default_s,
-                ratio=default_s / plain_s if plain_s > 0 else None, extra_s=default_s - plain_s,
-                plain_mean_us=1e6 * plain_s / steps_on if steps_on else None, default_mean_us_by_phase=by_phase,
-                phases={p: phases.count(p) for p in dict.fromkeys(phases)},
-                disabled_reason=trainer.controller.disabled_reason)
+    :func:`time_interleaved`, in one process or in a process each) until the trainer has
+    switched prediction off, or ``max_steps``. Sums both arms' times over the steps the trainer
+    took with prediction on (the timed ones: each chunk's first ``settle`` steps run untimed, at
+    the same positions in both arms); the trainer's mean step by phase beside the plain loop's."""
+    runners = make_arms(["plain", "default"], workload, device, separate)
+    try:
+        plain, default = runners["plain"], runners["default"]
+        rounds = 0
+        while default.prediction_enabled and len(default.times) < max_steps:
+            for runner in (plain, default) if rounds % 2 == 0 else (default, plain):
+                runner.run(chunk, settle=settle)
+            rounds += 1
+            progress.update(1)
+        steps_on = sum(default.on)  # a prefix: once off, prediction stays off for the run
+        timed = [i for i in range(steps_on) if default.times[i] is not None]
+        plain_s, default_s = sum(plain.times[i] for i in timed), sum(default.times[i] for i in timed)
+        phases = [default.phases[i] for i in timed]
+        by_phase = {p: 1e6 * statistics.fmean([default.times[i] for i in timed if default.phases[i] == p])
+                    for p in dict.fromkeys(phases)}
+        return dict(steps_on=steps_on, timed_steps=len(timed), switched_off=not default.prediction_enabled,
+                    max_steps=max_steps, chunk=chunk, settle=settle, plain_s=plain_s, default_s=default_s,
+                    ratio=default_s / plain_s if plain_s > 0 else None, extra_s=default_s - plain_s,
+                    plain_mean_us=1e6 * plain_s / len(timed) if timed else None, default_mean_us_by_phase=by_phase,
+                    phases={p: default.phases[:steps_on].count(p) for p in dict.fromkeys(default.phases[:steps_on])},
+                    timed_phases={p: phases.count(p) for p in dict.fromkeys(phases)},
+                    disabled_reason=default.disabled_reason,
+                    separate_processes=separate)
+    finally:
+        for runner in runners.values():
+            runner.close()
 
 
 def exploration_lines(results: dict[str, Any]) -> list[str]:
@@ -319,9 +475,12 @@ def exploration_lines(results: dict[str, Any]) -> list[str]:
         when = (f"off after {e['steps_on']} steps" if e["switched_off"]
                 else f"still on after {e['steps_on']} steps (the most this run took)")
         phases = ", ".join(f"{p} {n}" for p, n in e["phases"].items())
+        if e.get("settle"):
+            phases += f"; timed: {e['timed_steps']}, the first step of each chunk of {e['chunk']} untimed"
         means = "; ".join(f"{p} {us:.0f}" for p, us in e["default_mean_us_by_phase"].items())
+        over = "over the timed ones" if e.get("settle") else "in all"
         lines.append(f"- {model}: {when} ({phases}): {e['ratio']:.2f}× the plain loop's time over them, "
-                     f"{e['extra_s']:+.2f} s in all (mean step, µs: plain {e['plain_mean_us']:.0f}; default {means})")
+                     f"{e['extra_s']:+.2f} s {over} (mean step, µs: plain {e['plain_mean_us']:.0f}; default {means})")
     if lines:
         lines[:0] = ["", "The default config while prediction can still run (the table times it after that): a fresh "
                      "plain loop and a fresh default trainer from their first step, interleaved chunk by chunk, until "
@@ -452,10 +611,9 @@ class TensorPeak:
         del self._profiler
 
 
-def memory_child(model_name: str, arm: str, device_name: str, steps: int, n_batches: int, time_steps: int,
+def memory_child(model_name: str, arm: str, device_name: str, steps: int, n_batches: int,
                  measure: str = "rss") -> dict:
-    """Run in a fresh process: peak training memory of one arm (and, for the big model, its step
-    times). ``measure``: ``"rss"`` (peak RSS above the baseline; on CUDA the allocator's peak)
+    """Run in a fresh process: peak training memory of one arm. ``measure``: ``"rss"`` (peak RSS above the baseline; on CUDA the allocator's peak)
     or ``"tensors"`` (peak live tensor bytes, :class:`TensorPeak`; CPU only)."""
     from hybrid_trainer.footprint import trainer_tensor_bytes
 
@@ -487,23 +645,12 @@ def memory_child(model_name: str, arm: str, device_name: str, steps: int, n_batc
         Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) starts again at the current RSS
         baseline = _rss_bytes()
     step, trainer, model = _arm_step(arm, workload, device)
-    times, phases = [], []
-    # On a CPU the thread's CPU time, as the in-process timing: not the time other processes held
-    # the core (arms run one after another here, minutes apart).
-    clock = time.thread_time if device.type == "cpu" else time.perf_counter
     for i in range(steps):
-        phase = _phase(trainer)
-        _sync(device)
-        started = clock()
         step(workload.batches[i % len(workload.batches)])
-        _sync(device)
-        if i >= steps - time_steps:
-            times.append(clock() - started)
-            phases.append(phase)
+    _sync(device)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _peak_rss_bytes()
     result = dict(model=model_name, arm=arm, baseline_bytes=baseline, peak_bytes=peak, training_bytes=peak - baseline,
-                  parameters=sum(p.numel() for p in model.parameters()), steps=steps,
-                  time=_time_summary(times, phases, len(times)) if times else None)
+                  parameters=sum(p.numel() for p in model.parameters()), steps=steps)
     if trainer is not None:
         result["trainer_tensor_bytes"] = trainer_tensor_bytes(trainer)
         result["prediction_enabled_at_end"] = trainer.controller.prediction_enabled
@@ -511,13 +658,12 @@ def memory_child(model_name: str, arm: str, device_name: str, steps: int, n_batc
     return result
 
 
-def run_memory_child(model_name: str, arm: str, device: str, steps: int, n_batches: int, time_steps: int,
+def run_memory_child(model_name: str, arm: str, device: str, steps: int, n_batches: int,
                      measure: str = "rss") -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", HYBRID_KERNELS_BACKEND=os.environ.get("HYBRID_KERNELS_BACKEND", "eager"))
     env.pop("TRITON_INTERPRET", None)
     command = [sys.executable, "-m", "bench.overhead", "--child", model_name, arm, "--device", device,
-               "--memory-steps", str(steps), "--batches", str(n_batches), "--child-time-steps", str(time_steps),
-               "--child-measure", measure]
+               "--memory-steps", str(steps), "--batches", str(n_batches), "--child-measure", measure]
     done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=ROOT)
     if done.returncode != 0:
         raise RuntimeError(f"memory child {model_name}/{arm} ({measure}) failed:\n{done.stderr[-2000:]}")
@@ -604,8 +750,9 @@ def markdown(results: dict[str, Any]) -> str:
              f"{(results['git']['commit'] or '?')[:10]}{' + uncommitted changes' if results['git']['dirty'] else ''}, "
              f"torch {results['torch']}, {results['device']}, {results['threads']} thread(s)).", "",
              "Time: median over chunks of 16 steps of the chunk's mean step (so a cost paid every N steps counts), "
-             "arms interleaved in one process (models ≤ 5M parameters) or one after another in "
-             "their memory process (larger); overhead = trainer − plain. Real steps: the trainer's non-predicted "
+             "arms interleaved chunk by chunk, in one process (models ≤ 5M parameters) or each in a "
+             "process of its own (larger: chunks of 5 steps, the first of each untimed, as it pays for the switch of "
+             "arms); overhead = trainer − plain. Real steps: the trainer's non-predicted "
              "steps. Memory, each arm in fresh processes: peak RSS above the baseline after data loading (what a "
              "user meets: tensors, Python objects, allocator slack), and the exact peak of live tensor bytes "
              "(every allocation and free of torch's CPU allocator, summed in time order from before the model is "
@@ -672,7 +819,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny sizes and few steps (tests)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps per arm before timing")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per arm")
-    parser.add_argument("--chunk", type=int, default=16, help="steps per arm per interleaving round")
+    parser.add_argument("--chunk", type=int, default=None,
+                        help=f"steps per arm per interleaving round (16; {BIG_CHUNK} for models above "
+                             f"{IN_PROCESS_PARAMS // 1_000_000}M parameters)")
     parser.add_argument("--memory-steps", type=int, default=None, help="steps per memory run (fresh process)")
     parser.add_argument("--batches", type=int, default=64, help="distinct batches, cycled")
     parser.add_argument("--explore-steps", type=int, default=None,
@@ -687,13 +836,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="measure memory only; the in-process time figures (and breakdown) of each model are kept "
                              "from the existing results file, which records the run they came from")
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "ARM"), help=argparse.SUPPRESS)
-    parser.add_argument("--child-time-steps", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--child-measure", default="rss", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    args.chunk_given = args.chunk is not None
+    args.chunk = args.chunk if args.chunk_given else 16
     device = torch.device(args.device)
     if args.child:
-        print(json.dumps(memory_child(*args.child, args.device, args.memory_steps, args.batches, args.child_time_steps,
-                                      args.child_measure)))
+        print(json.dumps(memory_child(*args.child, args.device, args.memory_steps, args.batches, args.child_measure)))
         return 0
     if os.environ.get("TRITON_INTERPRET") == "1" and device.type == "cpu":
         os.environ.pop("TRITON_INTERPRET")  # children get the eager kernels; interpreted ones would distort time
@@ -717,7 +866,7 @@ def main(argv: list[str] | None = None) -> int:
     suffix = ("_quick" if args.quick else "") + ("" if device.type == "cpu" else f"_{device.type}")
     existing = args.out / f"overhead{suffix}.json"
     previous = json.loads(existing.read_text())["models"] if existing.exists() else {}
-    # Only the small models' time figures are kept; a big model is timed in its memory process.
+    # Only the small models' time figures are kept; a big model's are measured again.
     untimed = [m for m in models if m not in previous and m != "mlp-50m"]
     if args.memory_only and untimed:
         parser.error(f"--memory-only keeps the time figures of {existing}, which lacks {untimed}")
@@ -725,6 +874,10 @@ def main(argv: list[str] | None = None) -> int:
         workload = make_workload(name, args.batches, device)
         n_params = sum(p.numel() for p in workload.make_model(0).parameters())
         big = n_params > IN_PROCESS_PARAMS
+        if big:  # each arm in a process of its own, and fewer steps of ~0.5 s
+            workload = make_workload(name, BIG_BATCHES, device)
+        chunk = args.chunk if not big or args.chunk_given else BIG_CHUNK
+        settle = BIG_SETTLE if big and chunk > BIG_SETTLE else 0
         entry: dict[str, Any] = dict(parameters=n_params, details=workload.details, arms={a: {} for a in ARMS})
         if not big and args.memory_only:  # time figures of the run that measured them, said so
             old = previous[name]
@@ -735,31 +888,34 @@ def main(argv: list[str] | None = None) -> int:
                 if old.get(key):
                     entry[key] = old[key]
             entry["time_run"] = old.get("time_run") or old["run"]
-        elif not big:
-            steps = args.steps if args.steps is not None else (
-                default_steps if args.quick or name not in SHORT_STEP_MODELS else 4 * default_steps)
-            with tqdm(total=-(-steps // args.chunk), desc=f"{name}: time", leave=False) as bar:
-                for arm, t in time_interleaved(workload, device, warmup, steps, args.chunk, bar).items():
+        elif not args.memory_only:
+            if big:
+                steps = args.steps if args.steps is not None else BIG_STEPS
+                arm_warmup = args.warmup if args.warmup is not None else BIG_WARMUP
+            else:
+                steps = args.steps if args.steps is not None else (
+                    default_steps if args.quick or name not in SHORT_STEP_MODELS else 4 * default_steps)
+                arm_warmup = warmup
+            with tqdm(total=-(-steps // (chunk - settle)), desc=f"{name}: time", leave=False) as bar:
+                for arm, t in time_interleaved(workload, device, arm_warmup, steps, chunk, bar, separate=big,
+                                               settle=settle).items():
                     entry["arms"].setdefault(arm, {})["time"] = t
             parts_steps = args.breakdown_steps if args.breakdown_steps is not None else (10 if args.quick else 300)
-            if parts_steps:
+            if parts_steps and not big:
                 entry["breakdown"] = breakdown(workload, "predict=False", device, warmup, parts_steps)
         if not args.memory_only and explore_steps:
-            with tqdm(total=-(-explore_steps // args.chunk), desc=f"{name}: until prediction is off", leave=False) as bar:
-                entry["exploration"] = exploration(workload, device, explore_steps, args.chunk, bar)
+            with tqdm(total=-(-explore_steps // chunk), desc=f"{name}: until prediction is off", leave=False) as bar:
+                entry["exploration"] = exploration(workload, device, explore_steps, chunk, bar, separate=big,
+                                                   settle=settle)
+        n_batches = len(workload.batches)
         del workload
         gc.collect()
         big_memory_steps = min(memory_steps, 60) if big else memory_steps
-        time_steps = min(20, big_memory_steps // 2) if big else 0
         for arm in tqdm(ARMS, desc=f"{name}: memory", leave=False):
-            n_batches = args.batches if not big else 8
-            child = run_memory_child(name, arm, args.device, big_memory_steps, n_batches, time_steps)
-            entry["arms"][arm]["memory"] = child
+            entry["arms"][arm]["memory"] = run_memory_child(name, arm, args.device, big_memory_steps, n_batches)
             if device.type == "cpu":  # on CUDA the allocator's own peak is exact already
-                entry["arms"][arm]["tensors"] = run_memory_child(name, arm, args.device, big_memory_steps, n_batches, 0,
+                entry["arms"][arm]["tensors"] = run_memory_child(name, arm, args.device, big_memory_steps, n_batches,
                                                                  measure="tensors")
-            if big:
-                entry["arms"][arm]["time"] = child["time"]
         plain = entry["arms"]["plain"]
         for arm, a in entry["arms"].items():
             if arm != "plain":

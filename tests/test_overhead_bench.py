@@ -119,3 +119,47 @@ def test_quick_run_reports_every_arm_with_ratios_from_its_measurements(tmp_path)
     table = (tmp_path / "overhead_quick.md").read_text()
     assert "| tiny |" in table and "| weight_average |" in table
     assert "- tiny: still on after 40 steps" in table
+
+
+@pytest.mark.slow
+def test_arms_in_processes_of_their_own_step_as_they_do_in_this_one():
+    """A big model's arms each run in a process of their own (ProcessArm), stepped one chunk at
+    a time: the same phases and counts as the same arms stepped here."""
+    workload = overhead.make_workload("tiny", 8, torch.device("cpu"))
+    arms = ["plain", "default"]
+    apart = overhead.time_interleaved(workload, torch.device("cpu"), 3, 40, 7, _NoProgress(), separate=True, arms=arms)
+    here = overhead.time_interleaved(workload, torch.device("cpu"), 3, 40, 7, _NoProgress(), separate=False, arms=arms)
+    assert list(apart) == arms
+    for arm in arms:
+        assert apart[arm]["steps"] == here[arm]["steps"] == 42  # 6 rounds of 7
+        assert apart[arm]["phases"] == here[arm]["phases"]
+        assert apart[arm]["chunk_median_us"] > 0
+    assert apart["default"]["phases"] == {"WARMUP": 17, "FULL": 25}  # 3 untimed warm-up steps first
+    assert apart["default"]["prediction_enabled_at_end"] == here["default"]["prediction_enabled_at_end"]
+
+
+@pytest.mark.slow
+def test_an_arm_process_that_fails_raises_its_error_here():
+    workload = overhead.make_workload("tiny", 8, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="(?s)the process of arm .no such arm. failed:.*KeyError"):
+        overhead.ProcessArm("no such arm", workload, torch.device("cpu"))
+
+
+def test_the_first_steps_of_each_chunk_can_run_untimed_in_both_arms_alike():
+    """``settle``: a big model's arms pay for the switch of arms on their first step of a chunk;
+    those steps run (the trainer's phases advance) but are left out of every time figure."""
+    workload = overhead.make_workload("tiny", 8, torch.device("cpu"))
+    out = overhead.time_interleaved(workload, torch.device("cpu"), 2, 12, 4, _NoProgress(), arms=["plain", "default"],
+                                    settle=1)
+    for arm in ("plain", "default"):
+        assert out[arm]["steps"] == 12 and out[arm]["settle"] == 1  # 4 rounds of 3 timed steps
+    # 2 warm-up steps and 4 untimed first steps ran as well: 18 steps in all, WARMUP's 20 not over.
+    assert out["default"]["phases"] == {"WARMUP": 12}
+    e = overhead.exploration(workload, torch.device("cpu"), max_steps=400, chunk=5, progress=_NoProgress(), settle=2)
+    assert e["switched_off"] and e["timed_steps"] == sum(e["timed_phases"].values())
+    # Each 5-step chunk's first 2 steps untimed: 3 of every 5 steps with prediction on are timed.
+    assert e["timed_steps"] == 3 * (e["steps_on"] // 5) + max(0, e["steps_on"] % 5 - 2)
+    assert sum(e["default_mean_us_by_phase"][p] * n for p, n in e["timed_phases"].items()) == pytest.approx(
+        1e6 * e["default_s"])
+    assert e["plain_mean_us"] == pytest.approx(1e6 * e["plain_s"] / e["timed_steps"])
+    assert "over the timed ones" in "\n".join(overhead.exploration_lines({"models": {"tiny": {"exploration": e}}}))
