@@ -96,7 +96,7 @@ IN_PROCESS_PARAMS = 5_000_000  # above this, each arm is stepped in a process of
 # Above IN_PROCESS_PARAMS (steps of ~0.5 s on one core): untimed steps, timed steps, chunk per arm
 # and the untimed first steps of each chunk (_timed_chunk's settle), and distinct batches (8
 # suffice where the time goes to the weights, not to the data).
-BIG_WARMUP, BIG_STEPS, BIG_CHUNK, BIG_SETTLE, BIG_BATCHES = 20, 40, 5, 1, 8
+BIG_WARMUP, BIG_STEPS, BIG_CHUNK, BIG_SETTLE, BIG_BATCHES = 20, 60, 5, 1, 8
 # Steps under ~6 ms: timed over 4x the steps (a few seconds per arm), since their overheads are
 # tens of µs and the run-to-run spread of one 400-step run was of that size.
 SHORT_STEP_MODELS = ("tiny", "mlp-1ms", "fashion")

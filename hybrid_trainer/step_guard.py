@@ -321,16 +321,22 @@ class StepGuard:
 
     def non_finite_state(self) -> list[str]:
         """Names of the guarded weights, module buffers and optimizer-state tensors holding a
-        NaN or an Inf (one host read for all of them)."""
-        def name(p: torch.Tensor, i: int) -> str:
-            return repr(self._names.get(id(p), f"trained tensor {i}"))
+        NaN or an Inf (one host read for all of them). Each is keyed by where it sits and
+        named only if it is non-finite: at a snapshot (every ``good_state_every`` steps) the
+        names of every tensor cost more than a quarter of the check on the 1 ms MLP."""
+        params, optimizer_state = self.params, self.optimizer.state
+        keyed = [(("weight", i, None), p) for i, p in enumerate(params)]
+        keyed += [(("buffer", i, None), owner._buffers[n]) for i, (owner, n) in enumerate(self._buffer_slots)]
+        keyed += [(("optimizer state", i, key), value) for i, p in enumerate(params)
+                  for key, value in optimizer_state.get(p, {}).items()]
+        return [self._state_name(*key) for key in non_finite_names(keyed)]
 
-        named = [(f"weight {name(p, i)}", p) for i, p in enumerate(self.params)]
-        named += [(f"buffer {self._buffer_names[i]!r}" if i < len(self._buffer_names) else f"buffer {n!r}",
-                   owner._buffers[n]) for i, (owner, n) in enumerate(self._buffer_slots)]
-        named += [(f"optimizer state {key!r} of {name(p, i)}", value) for i, p in enumerate(self.params)
-                  for key, value in self.optimizer.state.get(p, {}).items()]
-        return non_finite_names(named)
+    def _state_name(self, kind: str, i: int, key: Any) -> str:
+        if kind == "buffer":
+            name = self._buffer_names[i] if i < len(self._buffer_names) else self._buffer_slots[i][1]
+            return f"buffer {name!r}"
+        param = repr(self._names.get(id(self.params[i]), f"trained tensor {i}"))
+        return f"weight {param}" if kind == "weight" else f"optimizer state {key!r} of {param}"
 
     def escalate(self, reason: str, non_finite: list[str], step: int | None = None) -> None:
         """The guard cannot make progress: restore the last good state once (and warn), or, when

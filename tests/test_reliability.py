@@ -130,6 +130,22 @@ def test_non_finite_weights_restore_the_good_state_once_then_stop_with_an_error_
     assert isinstance(info.value, RuntimeError)
 
 
+def test_the_snapshot_names_each_non_finite_tensor_by_where_it_sits(stream):
+    """Optimizer state and module buffers are named as well as weights, and only the non-finite
+    ones (their names are built only for those)."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 10))
+    trainer = HybridTrainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), cross_entropy,
+                            HybridConfig(predict=False, good_state_every=5))
+    for b in stream[:3]:
+        trainer.step(b)
+    assert trainer.guard.non_finite_state() == []
+    with torch.no_grad():
+        trainer.optimizer.state[model[3].weight]["exp_avg_sq"][0, 0] = float("inf")
+        model[1].running_var[2] = float("nan")
+    assert trainer.guard.non_finite_state() == ["buffer '1.running_var'", "optimizer state 'exp_avg_sq' of '3.weight'"]
+
+
 def test_refused_steps_in_a_row_restore_the_good_state_once_then_stop_with_an_error(stream):
     from hybrid_trainer import TrainingStalledError
 
