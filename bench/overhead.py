@@ -223,6 +223,7 @@ def _time_summary(times_s: list[float | None], phases: list[str], chunk: int, se
     # snapshot, a block read) is in every chunk's mean, where a per-step median would drop it.
     chunk_means = [statistics.fmean(times_s[i:i + per_chunk]) for i in range(0, len(times_s) - per_chunk + 1, per_chunk)]
     return dict(steps=len(times_s), chunk=chunk, settle=settle, chunk_median_us=1e6 * statistics.median(chunk_means),
+                chunk_means_us=[1e6 * m for m in chunk_means],
                 median_us=1e6 * statistics.median(times_s),
                 mean_us=1e6 * statistics.fmean(times_s),
                 real_steps=len(real), real_median_us=1e6 * statistics.median(real) if real else None,
@@ -685,16 +686,49 @@ def memory_basis(plain: dict) -> str:
     return "tensors"
 
 
+def median_interval_ranks(n: int, level: float = 0.95) -> tuple[int, int] | None:
+    """0-based ranks ``(lo, hi)`` of ``n`` sorted values between which their population's median
+    lies with probability at least ``level``, whatever the distribution: the largest ``k`` with
+    ``2 P(Binomial(n, 1/2) < k) <= 1 - level`` gives ranks ``k - 1`` and ``n - k`` (the sign
+    test's interval). None when ``n`` is too small for any (below 6 at 95%)."""
+    tail, k = 0.0, 0
+    while 2 * (tail + math.comb(n, k) / 2 ** n) <= 1 - level:
+        tail += math.comb(n, k) / 2 ** n
+        k += 1
+    return None if k == 0 else (k - 1, n - k)
+
+
+def paired_overhead(plain_time: dict, arm_time: dict) -> dict[str, Any] | None:
+    """The arm's chunk means minus the plain loop's, round by round (each round steps every arm
+    one chunk, so a pair shares the machine's state): their median and a distribution-free 95%
+    interval for it (:func:`median_interval_ranks`). None without chunk means (results files
+    from before they were kept)."""
+    a, p = arm_time.get("chunk_means_us"), plain_time.get("chunk_means_us")
+    if not a or not p:
+        return None
+    differences = sorted(x - y for x, y in zip(a, p))
+    ranks = median_interval_ranks(len(differences))
+    return dict(pairs=len(differences), median_us=statistics.median(differences),
+                ci95_us=None if ranks is None else [differences[ranks[0]], differences[ranks[1]]])
+
+
 def compare(plain: dict, arm: dict) -> dict[str, Any]:
     """Ratios and differences of one trainer arm against the plain loop, from the measurements:
-    ``rss_*`` from the peak RSS, ``tensor_*`` from the exact tensor peak, and ``memory_ratio`` /
-    ``extra_bytes`` from the one :func:`memory_basis` picks (``memory_basis``)."""
+    ``overhead_us`` the median of the round-by-round differences of chunk means with its 95%
+    interval (``overhead_ci95_us``; :func:`paired_overhead`), the difference of the two arms'
+    chunk medians where the chunk means were not kept; ``time_ratio`` the plain step plus the
+    overhead over the plain step; ``rss_*`` from the peak RSS, ``tensor_*`` from the exact tensor
+    peak, and ``memory_ratio`` / ``extra_bytes`` from the one :func:`memory_basis` picks
+    (``memory_basis``)."""
     out: dict[str, Any] = {}
     if plain.get("time") and arm.get("time"):
         p, a = plain["time"], arm["time"]
         key = "chunk_median_us" if "chunk_median_us" in a and "chunk_median_us" in p else "median_us"
-        out["time_ratio"] = a[key] / p[key]
-        out["overhead_us"] = a[key] - p[key]
+        paired = paired_overhead(p, a)
+        out["overhead_us"] = paired["median_us"] if paired else a[key] - p[key]
+        out["time_ratio"] = (p[key] + out["overhead_us"]) / p[key]
+        if paired:
+            out["overhead_pairs"], out["overhead_ci95_us"] = paired["pairs"], paired["ci95_us"]
         if a["real_median_us"] is not None:
             out["real_step_ratio"] = a["real_median_us"] / p["median_us"]
             out["real_step_overhead_us"] = a["real_median_us"] - p["median_us"]
@@ -714,26 +748,50 @@ def compare(plain: dict, arm: dict) -> dict[str, Any]:
     return out
 
 
+def goal_verdict(overhead: float, interval: list[float] | None, goal: float) -> str:
+    """``"met"``, ``"NOT met"`` or, where the 95% interval of the overhead spans the goal,
+    ``"not resolved"`` (this run cannot tell); on the point figure alone without an interval."""
+    if interval is None:
+        return "met" if overhead <= goal else "NOT met"
+    if interval[1] <= goal:
+        return "met"
+    return "NOT met" if interval[0] > goal else "not resolved (its 95% interval spans the goal)"
+
+
+def time_goal(entry: dict[str, Any]) -> dict[str, Any] | None:
+    """A model's CPU time goal for ``predict=False`` (``goal``, its text), the verdict
+    (:func:`goal_verdict`) and the 95% interval as text (``shown``), from its results entry;
+    None where the arm or the plain loop was not timed."""
+    plain, c = (entry["arms"].get("plain") or {}).get("time"), (entry["arms"].get("predict=False") or {}).get("vs_plain", {})
+    if not plain or "overhead_us" not in c:
+        return None
+    step = plain.get("chunk_median_us", plain.get("median_us"))
+    interval = c.get("overhead_ci95_us")
+    if step >= GOAL_LONG_STEP_US:
+        shown = "" if interval is None else f", 95% interval {100 * interval[0] / step:+.1f}…{100 * interval[1] / step:+.1f}%"
+        return dict(goal=f"≤ {100 * (GOAL_RATIO - 1):.0f}%", step_us=step, shown=shown,
+                    verdict=goal_verdict(c["overhead_us"], interval, (GOAL_RATIO - 1) * step))
+    shown = "" if interval is None else f", 95% interval {interval[0]:+.0f}…{interval[1]:+.0f} µs"
+    return dict(goal=f"≤ {GOAL_FIXED_US:.0f} µs", step_us=step, shown=shown,
+                verdict=goal_verdict(c["overhead_us"], interval, GOAL_FIXED_US))
+
+
 def goal_lines(results: dict[str, Any]) -> list[str]:
     """The CPU time goals, model by model, from the ``predict=False`` arm and the guard floor."""
     out = [f"Time goals (`predict=False` over the plain loop): at most {GOAL_FIXED_US:.0f} µs per step, and at most "
            f"{100 * (GOAL_RATIO - 1):.0f}% where the plain step takes {GOAL_LONG_STEP_US / 1000:.0f} ms or more; the "
-           "guard floor (the plain loop plus the gradient norm and its read, the least a per-step NaN guard does) "
-           "beside it:", ""]
+           "overhead is the median of the round-by-round differences of chunk means, with its 95% interval "
+           "(distribution-free, the sign test's) where the run has one; the guard floor (the plain loop plus the "
+           "gradient norm and its read, the least a per-step NaN guard does) beside it:", ""]
     for model, r in results["models"].items():
-        plain, arm = r["arms"].get("plain", {}).get("time"), r["arms"].get("predict=False", {})
-        c = arm.get("vs_plain", {})
-        if not plain or "overhead_us" not in c:
+        goal = time_goal(r)
+        if goal is None:
             continue
-        step = plain.get("chunk_median_us", plain.get("median_us"))
+        c, step = r["arms"]["predict=False"]["vs_plain"], goal["step_us"]
         floor = r["arms"].get(GUARD_FLOOR, {}).get("vs_plain", {}).get("overhead_us")
-        if step >= GOAL_LONG_STEP_US:
-            goal, met = f"≤ {100 * (GOAL_RATIO - 1):.0f}%", c["time_ratio"] <= GOAL_RATIO
-        else:
-            goal, met = f"≤ {GOAL_FIXED_US:.0f} µs", c["overhead_us"] <= GOAL_FIXED_US
         floor_text = "" if floor is None else f"; guard floor {floor:+.0f} µs ({100 * floor / step:+.1f}%)"
-        out.append(f"- {model}: {c['overhead_us']:+.0f} µs ({100 * (c['time_ratio'] - 1):+.1f}%), goal {goal}: "
-                   f"{'met' if met else 'NOT met'}{floor_text}")
+        out.append(f"- {model}: {c['overhead_us']:+.0f} µs ({100 * (c['time_ratio'] - 1):+.1f}%{goal['shown']}), "
+                   f"goal {goal['goal']}: {goal['verdict']}{floor_text}")
     return out
 
 
@@ -749,10 +807,12 @@ def markdown(results: dict[str, Any]) -> str:
     lines = [f"Trainer overhead over the plain AdamW loop, `{results['command']}` ({results['date']}, commit "
              f"{(results['git']['commit'] or '?')[:10]}{' + uncommitted changes' if results['git']['dirty'] else ''}, "
              f"torch {results['torch']}, {results['device']}, {results['threads']} thread(s)).", "",
-             "Time: median over chunks of 16 steps of the chunk's mean step (so a cost paid every N steps counts), "
+             "Time: median over chunks of 16 steps of the chunk's mean step (so a cost paid every N steps counts); "
+             "overhead: median over rounds of the arm's chunk mean minus the plain loop's in the same round, with a "
+             "distribution-free 95% interval; "
              "arms interleaved chunk by chunk, in one process (models ≤ 5M parameters) or each in a "
              "process of its own (larger: chunks of 5 steps, the first of each untimed, as it pays for the switch of "
-             "arms); overhead = trainer − plain. Real steps: the trainer's non-predicted "
+             "arms); ratio = (plain step + overhead) / plain step. Real steps: the trainer's non-predicted "
              "steps. Memory, each arm in fresh processes: peak RSS above the baseline after data loading (what a "
              "user meets: tensors, Python objects, allocator slack), and the exact peak of live tensor bytes "
              "(every allocation and free of torch's CPU allocator, summed in time order from before the model is "
@@ -760,7 +820,7 @@ def markdown(results: dict[str, Any]) -> str:
              "trainer / plain. The memory ratio is the RSS one where the plain loop's peak RSS is at least "
              f"{RSS_RESOLVES_BYTES / 1e6:.0f} MB, the tensor one below (basis R or T): one arm's peak RSS moves "
              "by several MB between runs, more than the 3% the goal allows of a smaller peak.", "",
-             "| model | params | arm | step (µs) | overhead (µs) | ratio | real-step ratio | peak RSS (MB) | "
+             "| model | params | arm | step (µs) | overhead (µs) [95% interval] | ratio | real-step ratio | peak RSS (MB) | "
              "RSS ratio | tensor peak (MB) | tensor ratio | memory ratio (basis) | extra (MB) | trainer tensors (MB) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     if len(runs) > 1:
@@ -784,8 +844,10 @@ def markdown(results: dict[str, Any]) -> str:
             fmt = lambda v, f: "–" if v is None else format(v, f)  # noqa: E731
             basis = {"rss": " R", "tensors": " T"}.get(c.get("memory_basis"), "")
             step_us = t.get("chunk_median_us", t.get("median_us"))
+            ci = c.get("overhead_ci95_us")
+            interval = "" if not ci else f" [{ci[0]:+.0f}, {ci[1]:+.0f}]"
             lines.append(f"| {model} | {r['parameters'] / 1e6:.2f}M | {arm} | {fmt(step_us, '.0f')} | "
-                         f"{fmt(c.get('overhead_us'), '+.0f')} | {fmt(c.get('time_ratio'), '.3f')} | "
+                         f"{fmt(c.get('overhead_us'), '+.0f')}{interval} | {fmt(c.get('time_ratio'), '.3f')} | "
                          f"{fmt(c.get('real_step_ratio'), '.3f')} | {_mb((a.get('memory') or {}).get('training_bytes'))} | "
                          f"{fmt(c.get('rss_ratio'), '.3f')} | {_mb((a.get('tensors') or {}).get('tensor_peak_bytes'))} | "
                          f"{fmt(c.get('tensor_ratio'), '.3f')} | {fmt(c.get('memory_ratio'), '.3f')}{basis} | "

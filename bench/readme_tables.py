@@ -120,6 +120,12 @@ def _overhead_rows() -> list[tuple[str, str, str]]:
                 f"and the trainer adds {tiny['predict=False']['vs_plain']['extra_bytes'] / 1e3:.1f} kB to it with "
                 f"`predict=False`, {tiny['default']['vs_plain']['extra_bytes'] / 1e3:.1f} kB by default")
 
+    def verdicts() -> str:  # on each model's 95% interval where the run has one (bench.overhead.time_goal)
+        from bench.overhead import time_goal
+
+        goals = [time_goal(a) for a in (data["models"][m] for m in models)]
+        return "here: " + " / ".join("–" if g is None else g["verdict"].split(" (")[0] for g in goals)
+
     def commands(runs) -> str:  # a file merged from several runs: each run's command, in model order
         return " ".join(f"`{c}`" for c in dict.fromkeys(r["command"] for r in runs))
 
@@ -137,7 +143,7 @@ def _overhead_rows() -> list[tuple[str, str, str]]:
     rows = [
         (f"The trainer's cost per step next to the plain loop, prediction off ({names})",
          f"+{vs('predict=False', 'overhead_us', '.0f')} µs, i.e. {vs('predict=False', 'time_ratio', '.3f')}× "
-         f"(goal: ≤ 50 µs, ≤ 1.02× on steps of 5 ms or more)"
+         f"(goal: ≤ 50 µs, ≤ 1.02× on steps of 5 ms or more; {verdicts()})"
          + (f"; reading the guard's values every 16 steps (`read_every=16`, a GPU's default) "
             f"+{vs('predict=False, read_every=16', 'overhead_us', '.0f')} µs"
             if all("overhead_us" in (a.get("predict=False, read_every=16") or {}).get("vs_plain", {})

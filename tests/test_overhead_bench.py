@@ -30,6 +30,26 @@ def test_the_memory_ratio_is_the_tensor_peaks_where_rss_cannot_resolve_it():
     assert c["memory_basis"] == "rss" and c["memory_ratio"] == pytest.approx(1.05)
 
 
+def test_the_overhead_is_the_median_of_paired_chunk_differences_with_a_sign_test_interval():
+    # Round by round the arm's chunk mean minus the plain loop's: 1..20 µs, whatever the levels.
+    plain = {"time": {"chunk_median_us": 1000.0, "chunk_means_us": [1000.0 + 50 * (i % 3) for i in range(20)],
+                      "median_us": 1000.0, "real_median_us": 1000.0}}
+    arm = {"time": {"chunk_median_us": 1010.0, "chunk_means_us": [x + 1 + i for i, x in
+                                                                  enumerate(plain["time"]["chunk_means_us"])],
+                    "median_us": 1010.0, "real_median_us": None}}
+    c = overhead.compare(plain, arm)
+    assert c["overhead_pairs"] == 20 and c["overhead_us"] == pytest.approx(10.5)
+    assert c["overhead_ci95_us"] == [6.0, 15.0]  # ranks 5 and 14 of 20 sorted differences
+    assert c["time_ratio"] == pytest.approx(1.0105)
+    assert overhead.median_interval_ranks(5) is None and overhead.median_interval_ranks(6) == (0, 5)
+    assert overhead.median_interval_ranks(100) == (39, 60)
+    # The verdict: met only if the whole interval is within the goal, NOT met only if all of it is over.
+    assert overhead.goal_verdict(48, [44, 49], 50) == "met"
+    assert overhead.goal_verdict(52, [51, 55], 50) == "NOT met"
+    assert overhead.goal_verdict(48, [44, 53], 50).startswith("not resolved")
+    assert overhead.goal_verdict(48, None, 50) == "met"
+
+
 def test_tensor_peak_is_exact_on_a_known_sequence_of_allocations():
     keep = torch.empty(250_000)  # allocated before: not in the peak, and its free is not reported
     with overhead.TensorPeak() as peak:
@@ -103,8 +123,11 @@ def test_quick_run_reports_every_arm_with_ratios_from_its_measurements(tmp_path)
         c = arm["vs_plain"]
         # Time from the median over chunks of each chunk's mean step (a cost every N steps counts).
         assert arm["time"]["chunk"] == 5
-        assert c["time_ratio"] == pytest.approx(arm["time"]["chunk_median_us"] / plain["time"]["chunk_median_us"])
-        assert c["overhead_us"] == pytest.approx(arm["time"]["chunk_median_us"] - plain["time"]["chunk_median_us"])
+        # The overhead: the median of the round-by-round differences of the two arms' chunk means.
+        differences = [x - y for x, y in zip(arm["time"]["chunk_means_us"], plain["time"]["chunk_means_us"])]
+        assert len(differences) == 2 and c["overhead_pairs"] == 2 and c["overhead_ci95_us"] is None  # too few pairs
+        assert c["overhead_us"] == pytest.approx(sum(differences) / 2)
+        assert c["time_ratio"] == pytest.approx(1 + c["overhead_us"] / plain["time"]["chunk_median_us"])
         assert c["rss_ratio"] == pytest.approx(arm["memory"]["training_bytes"] / plain["memory"]["training_bytes"])
         assert c["rss_extra_bytes"] == arm["memory"]["training_bytes"] - plain["memory"]["training_bytes"]
         assert c["tensor_ratio"] == pytest.approx(arm["tensors"]["tensor_peak_bytes"] / plain["tensors"]["tensor_peak_bytes"])
