@@ -94,9 +94,8 @@ ARMS: dict[str, dict[str, Any] | None] = {
 GUARD_FLOOR = "plain + norm and read (guard floor)"
 IN_PROCESS_PARAMS = 5_000_000  # above this, each arm is stepped in a process of its own (ProcessArm)
 # Above IN_PROCESS_PARAMS (steps of ~0.5 s on one core): untimed steps, timed steps, chunk per arm
-# and the untimed first steps of each chunk (_timed_chunk's settle), and distinct batches (8
-# suffice where the time goes to the weights, not to the data).
-BIG_WARMUP, BIG_STEPS, BIG_CHUNK, BIG_SETTLE, BIG_BATCHES = 20, 60, 5, 1, 8
+# and the untimed first steps of each chunk (_timed_chunk's settle).
+BIG_WARMUP, BIG_STEPS, BIG_CHUNK, BIG_SETTLE = 20, 60, 5, 1
 # Steps under ~6 ms: timed over 4x the steps (a few seconds per arm), since their overheads are
 # tens of µs and the run-to-run spread of one 400-step run was of that size.
 SHORT_STEP_MODELS = ("tiny", "mlp-1ms", "fashion")
@@ -252,9 +251,16 @@ class LocalArm:
     def disabled_reason(self) -> str | None:
         return None if self.trainer is None else self.trainer.controller.disabled_reason
 
+    @property
+    def refusals(self) -> dict[str, int]:
+        """The guard's refused steps and rollbacks so far (zeros for a loop that is not a trainer)."""
+        stats = None if self.trainer is None else self.trainer.stats
+        return {key: 0 if stats is None else getattr(stats, key) for key in ("skipped_steps", "divergence_rollbacks")}
+
     def state(self) -> dict[str, Any]:
         """What a :class:`ProcessArm` mirrors after each command."""
-        return dict(prediction_enabled=self.prediction_enabled, disabled_reason=self.disabled_reason)
+        return dict(prediction_enabled=self.prediction_enabled, disabled_reason=self.disabled_reason,
+                    refusals=self.refusals)
 
     def run(self, steps: int, timed: bool = True, settle: int = 0) -> None:
         """Step ``steps`` times on the next batches (cycled); record each step when ``timed``,
@@ -315,6 +321,7 @@ class ProcessArm:
 
     def _mirror(self, reply: dict[str, Any]) -> None:
         self.prediction_enabled, self.disabled_reason = reply["prediction_enabled"], reply["disabled_reason"]
+        self.refusals = reply["refusals"]
 
     def _reply(self) -> dict[str, Any]:
         try:
@@ -413,6 +420,7 @@ def time_interleaved(workload: Workload, device: torch.device, warmup: int, step
     try:
         for runner in runners.values():  # untimed: past the trainer's warm-up phase and first decisions
             runner.run(warmup, timed=False)
+        before = {name: runner.refusals for name, runner in runners.items()}
         for r in range(-(-steps // (chunk - settle))):
             for name in names[r % len(names):] + names[:r % len(names)]:
                 runners[name].run(chunk, settle=settle)
@@ -421,6 +429,9 @@ def time_interleaved(workload: Workload, device: torch.device, warmup: int, step
         for name in names:
             runner = runners[name]
             out[name] = _time_summary(runner.times, runner.phases, chunk, settle)
+            # The guard's own work while timed: a rollback reads the good state back (and the
+            # steps it discards were still paid for), which the plain loop never does.
+            out[name]["refusals"] = {k: v - before[name][k] for k, v in runner.refusals.items()}
             if name in ARMS and ARMS[name] is not None:
                 out[name]["prediction_enabled_at_end"] = runner.prediction_enabled
         return out
@@ -459,7 +470,7 @@ def exploration(workload: Workload, device: torch.device, max_steps: int, chunk:
                     plain_mean_us=1e6 * plain_s / len(timed) if timed else None, default_mean_us_by_phase=by_phase,
                     phases={p: default.phases[:steps_on].count(p) for p in dict.fromkeys(default.phases[:steps_on])},
                     timed_phases={p: phases.count(p) for p in dict.fromkeys(phases)},
-                    disabled_reason=default.disabled_reason,
+                    disabled_reason=default.disabled_reason, refusals=default.refusals,
                     separate_processes=separate)
     finally:
         for runner in runners.values():
@@ -478,6 +489,9 @@ def exploration_lines(results: dict[str, Any]) -> list[str]:
         phases = ", ".join(f"{p} {n}" for p, n in e["phases"].items())
         if e.get("settle"):
             phases += f"; timed: {e['timed_steps']}, the first step of each chunk of {e['chunk']} untimed"
+        if (e.get("refusals") or {}).get("skipped_steps"):
+            phases += (f"; {e['refusals']['skipped_steps']} steps refused, {e['refusals']['divergence_rollbacks']} "
+                       "rollbacks")
         means = "; ".join(f"{p} {us:.0f}" for p, us in e["default_mean_us_by_phase"].items())
         over = "over the timed ones" if e.get("settle") else "in all"
         lines.append(f"- {model}: {when} ({phases}): {e['ratio']:.2f}× the plain loop's time over them, "
@@ -790,8 +804,12 @@ def goal_lines(results: dict[str, Any]) -> list[str]:
         c, step = r["arms"]["predict=False"]["vs_plain"], goal["step_us"]
         floor = r["arms"].get(GUARD_FLOOR, {}).get("vs_plain", {}).get("overhead_us")
         floor_text = "" if floor is None else f"; guard floor {floor:+.0f} µs ({100 * floor / step:+.1f}%)"
+        refused = r["arms"]["predict=False"]["time"].get("refusals") or {}
+        refused_text = ("" if not refused.get("skipped_steps") else
+                        f"; while timed the guard refused {refused['skipped_steps']} steps, rolling back "
+                        f"{refused['divergence_rollbacks']} times")
         out.append(f"- {model}: {c['overhead_us']:+.0f} µs ({100 * (c['time_ratio'] - 1):+.1f}%{goal['shown']}), "
-                   f"goal {goal['goal']}: {goal['verdict']}{floor_text}")
+                   f"goal {goal['goal']}: {goal['verdict']}{floor_text}{refused_text}")
     return out
 
 
@@ -936,8 +954,6 @@ def main(argv: list[str] | None = None) -> int:
         workload = make_workload(name, args.batches, device)
         n_params = sum(p.numel() for p in workload.make_model(0).parameters())
         big = n_params > IN_PROCESS_PARAMS
-        if big:  # each arm in a process of its own, and fewer steps of ~0.5 s
-            workload = make_workload(name, BIG_BATCHES, device)
         chunk = args.chunk if not big or args.chunk_given else BIG_CHUNK
         settle = BIG_SETTLE if big and chunk > BIG_SETTLE else 0
         entry: dict[str, Any] = dict(parameters=n_params, details=workload.details, arms={a: {} for a in ARMS})

@@ -186,3 +186,23 @@ def test_the_first_steps_of_each_chunk_can_run_untimed_in_both_arms_alike():
         1e6 * e["default_s"])
     assert e["plain_mean_us"] == pytest.approx(1e6 * e["plain_s"] / e["timed_steps"])
     assert "over the timed ones" in "\n".join(overhead.exploration_lines({"models": {"tiny": {"exploration": e}}}))
+
+
+def test_the_guards_refusals_while_timed_are_counted_per_arm():
+    """A step the guard refuses (here a NaN loss every 4th call from step 30 on) is in the arm's
+    time; the report says how many were refused while timed, not during the warm-up."""
+    workload = overhead.make_workload("tiny", 8, torch.device("cpu"))
+    calls = {"n": 0}
+    loss_fn = workload.loss_fn
+
+    def sometimes_nan(model, batch):
+        calls["n"] += 1
+        loss = loss_fn(model, batch)
+        return loss * float("nan") if calls["n"] > 60 and calls["n"] % 4 == 0 else loss
+
+    workload.loss_fn = sometimes_nan
+    out = overhead.time_interleaved(workload, torch.device("cpu"), 20, 24, 6, _NoProgress(),
+                                    arms=["plain", "predict=False"])
+    assert out["plain"]["refusals"] == {"skipped_steps": 0, "divergence_rollbacks": 0}
+    refused = out["predict=False"]["refusals"]
+    assert 0 < refused["skipped_steps"] <= 24 and refused["divergence_rollbacks"] == 0  # NaN: refused, no rollback
