@@ -94,8 +94,12 @@ ARMS: dict[str, dict[str, Any] | None] = {
 GUARD_FLOOR = "plain + norm and read (guard floor)"
 IN_PROCESS_PARAMS = 5_000_000  # above this, each arm is stepped in a process of its own (ProcessArm)
 # Above IN_PROCESS_PARAMS (steps of ~0.5 s on one core): untimed steps, timed steps, chunk per arm
-# and the untimed first steps of each chunk (_timed_chunk's settle).
-BIG_WARMUP, BIG_STEPS, BIG_CHUNK, BIG_SETTLE = 20, 60, 5, 1
+# and the untimed first steps of each chunk (_timed_chunk's settle); and distinct batches, so that
+# none repeats within an arm's run (the exploration takes at most 400 steps): on this model a batch
+# seen again 64 steps later gave a loss 4x lower and a gradient norm 20x the median, which the
+# guard refused as an explosion and rolled back (5 times in 60 timed steps, 45 in the exploration's
+# 220), so the arms timed the guard's rollbacks rather than its steady cost.
+BIG_WARMUP, BIG_STEPS, BIG_CHUNK, BIG_SETTLE, BIG_BATCHES = 20, 60, 5, 1, 512
 # Steps under ~6 ms: timed over 4x the steps (a few seconds per arm), since their overheads are
 # tens of µs and the run-to-run spread of one 400-step run was of that size.
 SHORT_STEP_MODELS = ("tiny", "mlp-1ms", "fashion")
@@ -903,7 +907,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"steps per arm per interleaving round (16; {BIG_CHUNK} for models above "
                              f"{IN_PROCESS_PARAMS // 1_000_000}M parameters)")
     parser.add_argument("--memory-steps", type=int, default=None, help="steps per memory run (fresh process)")
-    parser.add_argument("--batches", type=int, default=64, help="distinct batches, cycled")
+    parser.add_argument("--batches", type=int, default=None,
+                        help=f"distinct batches, cycled (64; {BIG_BATCHES} for models above "
+                             f"{IN_PROCESS_PARAMS // 1_000_000}M parameters)")
     parser.add_argument("--explore-steps", type=int, default=None,
                         help="most steps of the default config's run from its first step until prediction is off "
                              "(0: none)")
@@ -918,7 +924,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "ARM"), help=argparse.SUPPRESS)
     parser.add_argument("--child-measure", default="rss", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.chunk_given = args.chunk is not None
+    args.chunk_given, args.batches_given = args.chunk is not None, args.batches is not None
+    args.batches = args.batches if args.batches_given else 64
     args.chunk = args.chunk if args.chunk_given else 16
     device = torch.device(args.device)
     if args.child:
@@ -954,6 +961,8 @@ def main(argv: list[str] | None = None) -> int:
         workload = make_workload(name, args.batches, device)
         n_params = sum(p.numel() for p in workload.make_model(0).parameters())
         big = n_params > IN_PROCESS_PARAMS
+        if big and not args.batches_given:
+            workload = make_workload(name, BIG_BATCHES, device)
         chunk = args.chunk if not big or args.chunk_given else BIG_CHUNK
         settle = BIG_SETTLE if big and chunk > BIG_SETTLE else 0
         entry: dict[str, Any] = dict(parameters=n_params, details=workload.details, arms={a: {} for a in ARMS})
