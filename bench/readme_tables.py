@@ -139,7 +139,9 @@ def _overhead_rows() -> list[tuple[str, str, str]]:
          "off after " + " / ".join(str(e["steps_on"]) + ("" if e["switched_off"] else "+") for e in explored.values())
          + " steps; " + " / ".join(f"{e['ratio']:.2f}" for e in explored.values())
          + "× the plain loop's time over them (" + " / ".join(f"{e['extra_s']:+.2f}" for e in explored.values())
-         + " s in all); after that it steps as with prediction off (the row above)", time_cmd)]
+         + " s in all" + "".join(f"; the {OVERHEAD_MODELS[m]}'s over its timed steps, the first of each chunk of "
+                                 f"{e['chunk']} untimed" for m, e in explored.items() if e.get("settle"))
+         + "); after that it steps as with prediction off (the row above)", time_cmd)]
     rows = [
         (f"The trainer's cost per step next to the plain loop, prediction off ({names})",
          f"+{vs('predict=False', 'overhead_us', '.0f')} µs, i.e. {vs('predict=False', 'time_ratio', '.3f')}× "
