@@ -329,7 +329,7 @@ class StepGuard:
         keyed += [(("buffer", i, None), owner._buffers[n]) for i, (owner, n) in enumerate(self._buffer_slots)]
         keyed += [(("optimizer state", i, key), value) for i, p in enumerate(params)
                   for key, value in optimizer_state.get(p, {}).items()]
-        return [self._state_name(*key) for key in non_finite_names(keyed)]
+        return [self._state_name(*key) for key in non_finite_names(keyed, self.reads_free)]
 
     def _state_name(self, kind: str, i: int, key: Any) -> str:
         if kind == "buffer":
