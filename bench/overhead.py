@@ -51,7 +51,7 @@ the same initial weights, the same batches in the same order and the same seed.
   the tensor peak does not move. The memory ratio is the RSS one where the plain loop's peak RSS
   is at least ``RSS_RESOLVES_BYTES``, the tensor one below.
 
-``--memory-only`` re-measures memory and keeps each small model's time figures from the existing
+``--memory-only`` re-measures memory and keeps each model's time figures from the existing
 results file (the report says which run they came from).
 
 Writes ``<out>/overhead.{json,md}`` (``overhead_quick`` with ``--quick``; ``_cuda`` on CUDA),
@@ -412,6 +412,11 @@ def make_arms(names: list[str], workload: Workload, device: torch.device, separa
     return arms
 
 
+def _check_settle(chunk: int, settle: int) -> None:
+    if not 0 <= settle < chunk:
+        raise ValueError(f"settle: untimed steps per chunk must be in [0, chunk={chunk}), got {settle}")
+
+
 def time_interleaved(workload: Workload, device: torch.device, warmup: int, steps: int, chunk: int,
                      progress, separate: bool = False, arms: list[str] | None = None,
                      settle: int = 0) -> dict[str, dict[str, Any]]:
@@ -419,6 +424,7 @@ def time_interleaved(workload: Workload, device: torch.device, warmup: int, step
     stepped in interleaved chunks, the order rotated each round; in this process, or each in a
     process of its own (``separate``); ``steps`` timed steps per arm, each chunk's first
     ``settle`` steps run untimed besides."""
+    _check_settle(chunk, settle)
     names = arms or [*ARMS, GUARD_FLOOR]
     runners = make_arms(names, workload, device, separate)
     try:
@@ -453,6 +459,7 @@ def exploration(workload: Workload, device: torch.device, max_steps: int, chunk:
     switched prediction off, or ``max_steps``. Sums both arms' times over the steps the trainer
     took with prediction on (the timed ones: each chunk's first ``settle`` steps run untimed, at
     the same positions in both arms); the trainer's mean step by phase beside the plain loop's."""
+    _check_settle(chunk, settle)
     runners = make_arms(["plain", "default"], workload, device, separate)
     try:
         plain, default = runners["plain"], runners["default"]
@@ -953,8 +960,7 @@ def main(argv: list[str] | None = None) -> int:
     suffix = ("_quick" if args.quick else "") + ("" if device.type == "cpu" else f"_{device.type}")
     existing = args.out / f"overhead{suffix}.json"
     previous = json.loads(existing.read_text())["models"] if existing.exists() else {}
-    # Only the small models' time figures are kept; a big model's are measured again.
-    untimed = [m for m in models if m not in previous and m != "mlp-50m"]
+    untimed = [m for m in models if m not in previous]
     if args.memory_only and untimed:
         parser.error(f"--memory-only keeps the time figures of {existing}, which lacks {untimed}")
     for name in models:
@@ -966,7 +972,7 @@ def main(argv: list[str] | None = None) -> int:
         chunk = args.chunk if not big or args.chunk_given else BIG_CHUNK
         settle = BIG_SETTLE if big and chunk > BIG_SETTLE else 0
         entry: dict[str, Any] = dict(parameters=n_params, details=workload.details, arms={a: {} for a in ARMS})
-        if not big and args.memory_only:  # time figures of the run that measured them, said so
+        if args.memory_only:  # time figures of the run that measured them, said so
             old = previous[name]
             for arm in [*ARMS, GUARD_FLOOR]:  # an arm the old run did not have stays untimed ("–")
                 if (old["arms"].get(arm) or {}).get("time"):
@@ -975,7 +981,7 @@ def main(argv: list[str] | None = None) -> int:
                 if old.get(key):
                     entry[key] = old[key]
             entry["time_run"] = old.get("time_run") or old["run"]
-        elif not args.memory_only:
+        else:
             if big:
                 steps = args.steps if args.steps is not None else BIG_STEPS
                 arm_warmup = args.warmup if args.warmup is not None else BIG_WARMUP

@@ -142,6 +142,20 @@ def test_quick_run_reports_every_arm_with_ratios_from_its_measurements(tmp_path)
     table = (tmp_path / "overhead_quick.md").read_text()
     assert "| tiny |" in table and "| weight_average |" in table
     assert "- tiny: still on after 40 steps" in table
+    # --memory-only measures memory again and keeps every arm's time figures, naming their run.
+    assert overhead.main(["--quick", "--models", "tiny", "--memory-steps", "25", "--memory-only",
+                          "--out", str(tmp_path)]) == 0
+    again = json.loads((tmp_path / "overhead_quick.json").read_text())["models"]["tiny"]
+    for name, arm in arms.items():
+        assert again["arms"][name]["time"] == arm["time"]
+    assert again["time_run"] == results["models"]["tiny"]["run"]
+    assert again["arms"]["plain"]["memory"]["training_bytes"] > 0
+
+
+def test_a_chunk_needs_a_timed_step():
+    workload = overhead.make_workload("tiny", 8, torch.device("cpu"))
+    with pytest.raises(ValueError, match="settle"):
+        overhead.time_interleaved(workload, torch.device("cpu"), 0, 4, 2, _NoProgress(), settle=2)
 
 
 @pytest.mark.slow
