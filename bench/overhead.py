@@ -11,7 +11,8 @@ the same initial weights, the same batches in the same order and the same seed.
 * **Time**: the arms are stepped in interleaved chunks (the order rotated each round), so the
   machine's load falls on all of them alike; up to ``IN_PROCESS_PARAMS`` parameters every arm
   lives in this process, above it each arm in a process of its own, stepped only when told
-  (:class:`ProcessArm`: two 0.8 GB models in one process interfered). On CUDA a chunk is timed as a whole between two
+  (:class:`ProcessArm`: all arms of such a model in one process would hold too much memory at
+  once). On CUDA a chunk is timed as a whole between two
   synchronisations (each of its steps gets the chunk's mean), so the trainer's own waits on the
   device are in its time. Per arm the median over chunks (``--chunk`` steps, 16 by default) of
   the chunk's mean step time, after ``--warmup`` untimed steps (and an arm that is not a
@@ -22,8 +23,10 @@ the same initial weights, the same batches in the same order and the same seed.
   recorded beside it. On a CPU a step's time is the thread's CPU time (``time.thread_time``):
   with one thread per process that is all of the step's work, without the time other processes
   held the core. For the trainer also the median over its real steps only (the default
-  config's predicted steps skip the backward, which is a saving, not an overhead). The fixed
-  cost is the difference of the chunk medians in µs, the ratio their quotient. The ≥50M model
+  config's predicted steps skip the backward, which is a saving, not an overhead). The overhead
+  is the median over rounds of the arm's chunk mean minus the plain loop's in the same round,
+  with a distribution-free 95% interval (:func:`paired_overhead`); the ratio is the plain step
+  plus the overhead over the plain step. The ≥50M model
   takes ``BIG_WARMUP`` untimed and ``BIG_STEPS`` timed steps per arm in chunks of ``BIG_CHUNK``
   whose first step is not timed (``BIG_SETTLE``): interleaved, an arm that frees its gradients
   at the end of its step (the trainer) paid ~0.4 s of page faults on its first step after
@@ -282,8 +285,9 @@ class LocalArm:
 
 
 def _arm_worker(conn, model_name: str, n_batches: int, arm: str, device_name: str) -> None:
-    """A :class:`ProcessArm`'s process: builds the arm, then runs each ``(steps, timed)`` it
-    receives and sends back what those steps recorded, until it receives None."""
+    """A :class:`ProcessArm`'s process: builds the arm, then runs each ``(steps, timed, settle)``
+    it receives (:meth:`LocalArm.run`) and sends back what those steps recorded and the arm's
+    state, until it receives None."""
     import traceback
 
     try:
@@ -303,9 +307,7 @@ def _arm_worker(conn, model_name: str, n_batches: int, arm: str, device_name: st
 class ProcessArm:
     """An arm stepped in a process of its own, one command at a time: the arms of a model too big
     to share a process are still interleaved in time (the machine's drift falls on all of them
-    alike) without sharing a heap. Two 0.8 GB models stepped in one process interfered: the 51M
-    model's trainer arm paid about twice its CPU time on its first step after the plain loop's
-    chunk. Only the commanded arm runs; the others wait on their pipe. Same interface and records
+    alike). Only the commanded arm runs; the others wait on their pipe. Same interface and records
     as :class:`LocalArm`."""
 
     def __init__(self, arm: str, workload: Workload, device: torch.device):
@@ -639,8 +641,9 @@ class TensorPeak:
 
 def memory_child(model_name: str, arm: str, device_name: str, steps: int, n_batches: int,
                  measure: str = "rss") -> dict:
-    """Run in a fresh process: peak training memory of one arm. ``measure``: ``"rss"`` (peak RSS above the baseline; on CUDA the allocator's peak)
-    or ``"tensors"`` (peak live tensor bytes, :class:`TensorPeak`; CPU only)."""
+    """Run in a fresh process: peak training memory of one arm. ``measure``: ``"rss"`` (peak RSS
+    above the baseline; on CUDA the allocator's peak) or ``"tensors"`` (peak live tensor bytes,
+    :class:`TensorPeak`; CPU only)."""
     from hybrid_trainer.footprint import trainer_tensor_bytes
 
     torch.set_num_threads(1)
