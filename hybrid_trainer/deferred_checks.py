@@ -90,7 +90,7 @@ class DeferredChecks:
             torch._amp_foreach_non_finite_check_and_unscale_([values], found, self._one)
             optimizer.found_inf = found
             try:
-                optimizer.step()
+                guard.step_optimizer()
             finally:
                 del optimizer.found_inf
             guard.buffers_before.restore_where(found)
@@ -105,7 +105,7 @@ class DeferredChecks:
         """:meth:`launch` with the step's loss and norm already read (``has_norm``: whether the
         step had gradients): the update is applied unless one of them is non-finite."""
         if math.isfinite(loss_value) and math.isfinite(norm_value):
-            guard.optimizer.step()
+            guard.step_optimizer()
         else:
             guard.buffers_before.restore()
         result.values_read(loss_value, norm_value if has_norm else None)

@@ -42,6 +42,7 @@ from .config import HybridConfig
 from .deferred_checks import DeferredChecks
 from .divergence import DivergenceMonitor, Severity
 from .errors import TrainingStalledError
+from .optimizer_call import OptimizerStep
 from .resume_check import non_finite_names
 from .user_warning import warn_user
 
@@ -108,6 +109,9 @@ class StepGuard:
     def __init__(self, config: HybridConfig, optimizer: torch.optim.Optimizer, scaler: Any, stats: Any,
                  device: torch.device):
         self.config, self.optimizer, self.scaler, self.stats = config, optimizer, scaler, stats
+        # The update of a real step: optimizer.step() without torch's profiler scope when no
+        # profiler records (optimizer_call).
+        self.step_optimizer = OptimizerStep(optimizer)
         self.storage = good_state_storage(config, device)
         self.monitor = DivergenceMonitor(**config.divergence)
         self.params: list[torch.Tensor] = []
@@ -229,7 +233,7 @@ class StepGuard:
             host, copied = values, None
         self.optimizer.found_inf = non_finite
         try:
-            self.optimizer.step()
+            self.step_optimizer()
         finally:
             del self.optimizer.found_inf
         if copied is not None:

@@ -355,7 +355,7 @@ class HybridTrainer:
             self.scaler.step(self.optimizer)
             self.scaler.update()
         elif not overlapped and self.in_backward is None:  # memory plan: already stepped inside the backward
-            self.optimizer.step()
+            self.guard.step_optimizer()
         self.stats.optimizer_steps += 1
         if self.weight_average is not None:
             self.weight_average.update()
@@ -437,7 +437,7 @@ class HybridTrainer:
         if report.critical:
             result = self._refused_step(phase, total, grad_norm, report, lrs)
         else:
-            optimizer.step()
+            guard.step_optimizer()
             stats.optimizer_steps += 1
             if self.scheduler is not None:
                 self.scheduler.step()
