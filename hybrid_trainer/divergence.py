@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import enum
 import math
+import sys
 from bisect import bisect_left, insort
 import numbers
 from collections import deque
@@ -84,6 +85,10 @@ _FIRST_REASON_KINDS = ("nan", "loss_z", "grad_explosion", "grad_vanish", "oscill
 _MAD_TO_STD = 1.4826
 # Guards the z-score division when the loss median is exactly zero and the window is flat.
 _ABSOLUTE_SCALE_FLOOR = 1e-12
+_LARGEST = sys.float_info.max
+# Relative room left below the loss z-score rule's bound in :meth:`DivergenceMonitor._quiet_bounds`
+# (far above the rounding of the rule's own arithmetic, far below any loss difference that matters).
+_BOUND_ROOM = 1e-9
 _STATE_VERSION = 1
 
 
@@ -249,6 +254,9 @@ class DivergenceMonitor:
         self.counts: dict[str, int] = {kind: 0 for kind in REASON_KINDS}
         self.refused_in_a_row = 0  # refused steps since the last accepted one (record_refusal)
         self._remembered: tuple | None = None  # the window at the last good state (remember_window)
+        # (loss ceiling, grad-norm floor, grad-norm ceiling) inside which a step is surely quiet
+        # against the window as it is; None when the window changed since (_quiet_bounds).
+        self._bounds: tuple[float, float, float] | None = None
 
     # ------------------------------------------------------------------ recording
     def observe(self, loss: float | None, grad_norm: float | None = None) -> None:
@@ -260,8 +268,10 @@ class DivergenceMonitor:
         if grad_value is not None and math.isfinite(grad_value):
             self._record_grad_norm(grad_value)
         self.refused_in_a_row = 0
+        self._bounds = self._quiet_bounds()  # here, where the window was just read: the next check only compares
 
     def _record_loss(self, loss: float) -> None:
+        self._bounds = None
         losses = self._losses
         if losses:
             difference = loss - losses[-1]
@@ -280,6 +290,7 @@ class DivergenceMonitor:
         losses.append(loss)
 
     def _record_grad_norm(self, grad_norm: float) -> None:
+        self._bounds = None
         norms = self._grad_norms
         if len(norms) == self.window:  # the deque drops its oldest on append
             ordered = self._grad_norms_sorted
@@ -289,12 +300,14 @@ class DivergenceMonitor:
 
     def _resort(self) -> None:
         """Rebuild the sorted copies after the windows were replaced wholesale."""
+        self._bounds = None
         self._losses_sorted = sorted(list(self._losses)[-self.window:])
         self._grad_norms_sorted = sorted(self._grad_norms)
 
     def reset_window(self) -> None:
         """Forget the recent loss and grad-norm history; event counts are kept. A trainer that rolls back
         uses :meth:`remember_window` and :meth:`rewind_window` instead, which leave no blind spell."""
+        self._bounds = None
         self._losses.clear()
         self._sign_changes.clear()
         self._sign_change_count = 0
@@ -380,6 +393,7 @@ class DivergenceMonitor:
         if grad_norm is not None:
             self._record_grad_norm(grad_norm)
         self.refused_in_a_row = 0
+        self._bounds = None
 
     def check_oscillation_once(self) -> bool:
         """The oscillation test on the accepted losses as they are now, counted as one warning
@@ -399,8 +413,14 @@ class DivergenceMonitor:
             count: add the report's kinds to :attr:`counts`. Pass False to re-check the same step without
                 double counting; the statistics themselves are never changed by ``check``.
         """
-        if type(loss) is float and type(grad_norm) is float and self._quiet(loss, grad_norm):
-            return DivergenceReport(severity=Severity.OK, reasons=[], kinds=[])
+        if type(loss) is float and type(grad_norm) is float:
+            bounds = self._bounds
+            if bounds is None:
+                bounds = self._bounds = self._quiet_bounds()
+            # Nearly every step: three compares against bounds computed when the window last changed
+            # (a NaN fails them); anything outside goes to the exact test and the rules.
+            if (-_LARGEST <= loss <= bounds[0] and bounds[1] <= grad_norm <= bounds[2]) or self._quiet(loss, grad_norm):
+                return DivergenceReport(severity=Severity.OK, reasons=[], kinds=[])
         loss_value = _as_optional_float("loss", loss)
         grad_value = _as_optional_float("grad_norm", grad_norm)
         if grad_value is not None and grad_value < 0:
@@ -428,6 +448,33 @@ class DivergenceMonitor:
             for kind in set(kinds):  # one event per kind per check, even if loss and grad are both NaN
                 self.counts[kind] += 1
         return DivergenceReport(severity=Severity(severity), reasons=[f[2] for f in findings], kinds=kinds)
+
+    def _quiet_bounds(self) -> tuple[float, float, float]:
+        """(loss ceiling, grad-norm floor, grad-norm ceiling): a finite loss at most the ceiling with
+        a norm between floor and ceiling passes :meth:`_quiet` against the window as it is now. The
+        same tests as :meth:`_quiet`, solved for the loss and the norm; the z-score bound is lowered
+        by a relative ``_BOUND_ROOM`` so that the rounding of ``(loss - center) / scale`` cannot
+        make a value inside it fail the rule. A value outside is not judged by them: it goes to
+        :meth:`_quiet` itself, so the decisions are the same as without the bounds."""
+        ordered = self._losses_sorted
+        ceiling = ordered[-1] if ordered else _LARGEST  # the loss_jump rule looks further above the largest
+        count = len(self._losses)
+        if count >= self.min_history:
+            center = _median_of_sorted(ordered)
+            spread_bound = 0.999 * (ordered[-1] - ordered[0]) / math.sqrt(2 * (len(ordered) - 1))
+            allowed = self.loss_z_warning * max(spread_bound, self._scale_floor(center))
+            ceiling = min(ceiling, center + allowed - _BOUND_ROOM * (abs(center) + allowed))
+        if (count >= self.oscillation_window
+                and (self._sign_change_count + 1) / (self.oscillation_window - 1) > self.oscillation_threshold):
+            ceiling = -math.inf  # the oscillation test may fire whatever the loss: no step is surely quiet
+        norms = self._grad_norms_sorted
+        if not norms:
+            grad_ceiling = _LARGEST
+        elif len(norms) < self.min_history:
+            grad_ceiling = self.grad_jump_factor * norms[-1]
+        else:
+            grad_ceiling = self.grad_explosion_factor * _median_of_sorted(norms)
+        return ceiling, self.grad_vanish_threshold, min(grad_ceiling, _LARGEST)
 
     def _quiet(self, loss: float, grad_norm: float) -> bool:
         """True only when no rule can raise anything on this step: every rule's own early exit,

@@ -519,3 +519,62 @@ def test_sorted_windows_follow_every_change_of_the_history(window, oscillation_w
             monitor = restored
         assert monitor._losses_sorted == sorted(list(monitor._losses)[-window:])
         assert monitor._grad_norms_sorted == sorted(monitor._grad_norms)
+
+
+@settings(max_examples=400, deadline=None, derandomize=True)
+@given(history=st.lists(st.tuples(st.floats(0.01, 100), st.floats(1e-6, 100)), min_size=1, max_size=70),
+       nudge=st.integers(-3, 3), grad_nudge=st.integers(-3, 3))
+def test_the_quiet_bounds_pass_only_what_the_exact_quiet_test_passes(history, nudge, grad_nudge):
+    """check's fast path compares against bounds solved from the rules; at and around each bound
+    (the z-score rule's exact boundary among them, a few floats either side), a value inside the
+    bounds is one the exact test calls quiet."""
+    monitor = DivergenceMonitor(window=20, min_history=5)
+    for value, norm in history:
+        monitor.observe(value, norm)
+    ceiling, grad_floor, grad_ceiling = monitor._quiet_bounds()
+    ordered = monitor._losses_sorted
+    center = statistics.median(ordered)
+    spread = 0.999 * (ordered[-1] - ordered[0]) / math.sqrt(2 * max(len(ordered) - 1, 1))
+    z_boundary = center + monitor.loss_z_warning * max(spread, monitor.relative_scale_floor * abs(center), 1e-12)
+
+    def nudged(x: float, n: int) -> float:
+        for _ in range(abs(n)):
+            x = math.nextafter(x, math.inf if n > 0 else -math.inf)
+        return x
+    for loss in (nudged(ceiling, nudge), nudged(z_boundary, nudge), nudged(ordered[-1], nudge), ordered[0]):
+        for grad_norm in (nudged(grad_ceiling, grad_nudge), nudged(grad_floor, grad_nudge), statistics.median(
+                monitor._grad_norms_sorted)):
+            if -math.inf < loss <= ceiling and grad_floor <= grad_norm <= grad_ceiling:
+                assert monitor._quiet(loss, grad_norm), (loss, grad_norm)
+
+
+def test_the_quiet_bounds_follow_every_change_of_the_window():
+    """Bounds left from an older window would pass what the window now flags: after each change
+    (a step recorded, a rollback's rewind, a reset, a loaded state) they are gone or current."""
+    monitor = DivergenceMonitor(window=20, min_history=5)
+
+    def current() -> None:
+        assert monitor._bounds is None or monitor._bounds == monitor._quiet_bounds()
+    for i in range(30):
+        monitor.observe(5.0 - 0.1 * i, 1.0)
+        current()
+    monitor.remember_window()
+    for i in range(30):
+        monitor.observe(0.5 - 0.001 * i, 50.0)
+        current()
+    assert monitor.check(0.45, 40.0).severity is Severity.OK
+    monitor.rewind_window()  # back to the 5.0 -> 2.1 losses with norms of 1: a norm of 40 explodes
+    current()
+    assert monitor.check(0.45, 40.0).critical
+    state = DivergenceMonitor(window=20, min_history=5)
+    for i in range(30):
+        state.observe(0.5, 50.0)
+    monitor.check(0.45, 40.0)  # bounds cached for the rewound window
+    monitor.load_state_dict(state.state_dict())
+    current()
+    assert monitor.check(0.45, 40.0).severity is Severity.OK
+    monitor.observe_quiet(0.5, 50.0)
+    current()
+    monitor.reset_window()
+    current()
+    assert not monitor.check(1e6, 1e6).critical  # no history: nothing to compare with
