@@ -89,6 +89,7 @@ OVERHEAD_MODELS = {"tiny": "tiny MLP (fixed cost)", "mlp-1ms": "1 ms MLP", "fash
 
 
 FLOOR = "plain + norm and read (guard floor)"  # bench.overhead.GUARD_FLOOR (not imported: torch-free here)
+LEAN = "plain, no profiler scopes"  # bench.overhead.LEAN_PLAIN
 
 
 def _overhead_rows() -> list[tuple[str, str, str]]:
@@ -126,6 +127,20 @@ def _overhead_rows() -> list[tuple[str, str, str]]:
         goals = [time_goal(a) for a in (data["models"][m] for m in models)]
         return "here: " + " / ".join("–" if g is None else g["verdict"].split(" (")[0] for g in goals)
 
+    def lean_calls() -> str:  # what the trainer saves on the two calls it makes leaner, and its cost beyond
+        from bench.overhead import paired_overhead
+
+        timed = {m: a for m, a in models.items() if (a.get(LEAN) or {}).get("time")}
+        if not timed:
+            return ""
+        beyond = [paired_overhead(a[LEAN]["time"], a["predict=False"]["time"]) for a in timed.values()]
+        return (f"; the plain loop making its two calls as the trainer does (gradients set to None, the update "
+                f"without torch's profiler scope) "
+                f"{' / '.join(format(a[LEAN]['vs_plain']['overhead_us'], '+.0f') for a in timed.values())} µs, "
+                f"and `predict=False` over that loop "
+                f"{' / '.join('–' if b is None else format(b['median_us'], '+.0f') for b in beyond)} µs "
+                f"({' / '.join(OVERHEAD_MODELS[m] for m in timed)})")
+
     def commands(runs) -> str:  # a file merged from several runs: each run's command, in model order
         return " ".join(f"`{c}`" for c in dict.fromkeys(r["command"] for r in runs))
 
@@ -153,7 +168,8 @@ def _overhead_rows() -> list[tuple[str, str, str]]:
          + (f"; the floor of any per-step NaN guard (the plain loop + the gradient norm and its read) "
             f"+{' / '.join(format(a[FLOOR]['vs_plain']['overhead_us'], '.0f') for a in models.values() if FLOOR in a)} µs "
             f"({' / '.join(OVERHEAD_MODELS[m] for m, a in models.items() if FLOOR in a)})"
-            if any(FLOOR in a for a in models.values()) else ""), time_cmd),
+            if any(FLOOR in a for a in models.values()) else "")
+         + lean_calls(), time_cmd),
         (f"Peak training memory next to the plain loop ({' / '.join(OVERHEAD_MODELS[m] for m in sized)})",
          f"`predict=False` {memory('predict=False')}; default config {memory('default')} (goals 1.03× and 1.10×; "
          f"T: exact peak of live tensor bytes, where peak RSS moves more between runs than 3% of the plain "
