@@ -822,6 +822,16 @@ def time_goal(entry: dict[str, Any]) -> dict[str, Any] | None:
                 verdict=goal_verdict(c["overhead_us"], interval, GOAL_FIXED_US))
 
 
+def over_lean_calls(arms: dict[str, Any]) -> tuple[float, dict[str, Any] | None] | None:
+    """(what the plain loop's two calls made leaner save against it, in µs; ``predict=False``'s
+    paired overhead over that lean loop, :func:`paired_overhead`) from a model's arms; None
+    where the lean loop was not timed."""
+    lean = arms.get(LEAN_PLAIN) or {}
+    if not lean.get("time") or "overhead_us" not in lean.get("vs_plain", {}):
+        return None
+    return lean["vs_plain"]["overhead_us"], paired_overhead(lean["time"], arms["predict=False"]["time"])
+
+
 def goal_lines(results: dict[str, Any]) -> list[str]:
     """The CPU time goals, model by model, from the ``predict=False`` arm and the guard floor."""
     out = [f"Time goals (`predict=False` over the plain loop): at most {GOAL_FIXED_US:.0f} µs per step, and at most "
@@ -840,10 +850,9 @@ def goal_lines(results: dict[str, Any]) -> list[str]:
         floor = r["arms"].get(GUARD_FLOOR, {}).get("vs_plain", {}).get("overhead_us")
         floor_text = "" if floor is None else f"; guard floor {floor:+.0f} µs ({100 * floor / step:+.1f}%)"
         lean_text = ""
-        lean = (r["arms"].get(LEAN_PLAIN) or {}).get("time")
-        paired = lean and paired_overhead(lean, r["arms"]["predict=False"]["time"])
-        if paired:
-            saved = r["arms"][LEAN_PLAIN]["vs_plain"]["overhead_us"]
+        lean = over_lean_calls(r["arms"])
+        if lean is not None and lean[1] is not None:
+            saved, paired = lean
             ci = paired["ci95_us"]
             lean_text = (f"; over the plain loop without profiler scopes ({saved:+.0f} µs against the plain loop): "
                          f"{paired['median_us']:+.0f} µs" + ("" if ci is None else f" [{ci[0]:+.0f}, {ci[1]:+.0f}]"))

@@ -89,7 +89,6 @@ OVERHEAD_MODELS = {"tiny": "tiny MLP (fixed cost)", "mlp-1ms": "1 ms MLP", "fash
 
 
 FLOOR = "plain + norm and read (guard floor)"  # bench.overhead.GUARD_FLOOR (not imported: torch-free here)
-LEAN = "plain, no profiler scopes"  # bench.overhead.LEAN_PLAIN
 
 
 def _overhead_rows() -> list[tuple[str, str, str]]:
@@ -128,17 +127,15 @@ def _overhead_rows() -> list[tuple[str, str, str]]:
         return "here: " + " / ".join("–" if g is None else g["verdict"].split(" (")[0] for g in goals)
 
     def lean_calls() -> str:  # what the trainer saves on the two calls it makes leaner, and its cost beyond
-        from bench.overhead import paired_overhead
+        from bench.overhead import over_lean_calls
 
-        timed = {m: a for m, a in models.items() if (a.get(LEAN) or {}).get("time")}
+        timed = {m: lean for m, a in models.items() if (lean := over_lean_calls(a)) is not None}
         if not timed:
             return ""
-        beyond = [paired_overhead(a[LEAN]["time"], a["predict=False"]["time"]) for a in timed.values()]
         return (f"; the plain loop making its two calls as the trainer does (gradients set to None, the update "
-                f"without torch's profiler scope) "
-                f"{' / '.join(format(a[LEAN]['vs_plain']['overhead_us'], '+.0f') for a in timed.values())} µs, "
+                f"without torch's profiler scope) {' / '.join(format(saved, '+.0f') for saved, _ in timed.values())} µs, "
                 f"and `predict=False` over that loop "
-                f"{' / '.join('–' if b is None else format(b['median_us'], '+.0f') for b in beyond)} µs "
+                f"{' / '.join('–' if b is None else format(b['median_us'], '+.0f') for _, b in timed.values())} µs "
                 f"({' / '.join(OVERHEAD_MODELS[m] for m in timed)})")
 
     def commands(runs) -> str:  # a file merged from several runs: each run's command, in model order

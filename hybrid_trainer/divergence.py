@@ -393,7 +393,6 @@ class DivergenceMonitor:
         if grad_norm is not None:
             self._record_grad_norm(grad_norm)
         self.refused_in_a_row = 0
-        self._bounds = None
 
     def check_oscillation_once(self) -> bool:
         """The oscillation test on the accepted losses as they are now, counted as one warning
