@@ -14,26 +14,29 @@ the same initial weights, the same batches in the same order and the same seed.
   (:class:`ProcessArm`: all arms of such a model in one process would hold too much memory at
   once). On CUDA a chunk is timed as a whole between two
   synchronisations (each of its steps gets the chunk's mean), so the trainer's own waits on the
-  device are in its time. Per arm the median over chunks (``--chunk`` steps, 16 by default) of
-  the chunk's mean step time, after ``--warmup`` untimed steps (and an arm that is not a
-  trainer: the plain loop plus the gradient norm and its read, the least a per-step NaN guard
-  costs): what happens once every N
-  steps (a good-state snapshot, the guard's read of a block with ``read_every``) is in every
-  chunk's mean, where a median over single steps would leave it out; the per-step median is
-  recorded beside it. On a CPU a step's time is the thread's CPU time (``time.thread_time``):
+  device are in its time. Per arm the median over chunks (``--chunk`` steps, by default
+  ``PERIOD``: one good-state period) of the chunk's mean step time, after ``--warmup`` untimed
+  steps, and for an arm whose prediction can still run, untimed steps until it is off (and two
+  arms that are not trainers: the plain loop plus the gradient norm and its read, the least a
+  per-step NaN guard costs; the plain loop making its two calls as the trainer does). Every
+  chunk's timed steps span one period, so each holds exactly one good-state snapshot and its
+  cost is in every chunk's mean, where a median over single steps, or over shorter chunks,
+  would leave it out (the guard's read of a block with ``read_every=16`` falls 3 or 4 times in
+  a chunk); the per-step median is recorded beside it. On a CPU a step's time is the thread's CPU time (``time.thread_time``):
   with one thread per process that is all of the step's work, without the time other processes
   held the core. For the trainer also the median over its real steps only (the default
   config's predicted steps skip the backward, which is a saving, not an overhead). The overhead
   is the median over rounds of the arm's chunk mean minus the plain loop's in the same round,
   with a distribution-free 95% interval (:func:`paired_overhead`); the ratio is the plain step
   plus the overhead over the plain step. The ≥50M model
-  takes ``BIG_WARMUP`` untimed and ``BIG_STEPS`` timed steps per arm in chunks of ``BIG_CHUNK``
-  whose first step is not timed (``BIG_SETTLE``): interleaved, an arm that frees its gradients
-  at the end of its step (the trainer) paid ~0.4 s of page faults on its first step after
-  another arm's chunk, which neither arm pays when it runs alone (:func:`_timed_chunk`).
+  takes ``BIG_WARMUP`` untimed and ``BIG_STEPS`` timed steps per arm in chunks of ``BIG_CHUNK``:
+  a first step not timed (``BIG_SETTLE``), then one period timed. Interleaved, an arm that
+  frees its gradients at the end of its step (the trainer) paid ~0.2-0.4 s of page faults on
+  its first step after another arm's chunk, which neither arm pays when it runs alone
+  (:func:`_timed_chunk`).
 * **While prediction can still run** (``--explore-steps``, every model): the arms above are timed
-  after ``--warmup`` steps, by which the default config has mostly finished recording updates to
-  find out whether prediction pays. That part is timed apart: a fresh plain loop and a fresh
+  once prediction is off (up to ``--explore-steps`` untimed steps beyond ``--warmup``). That part
+  is timed apart: a fresh plain loop and a fresh
   default trainer from their first step, interleaved chunk by chunk as above, until the trainer
   has switched prediction off; both arms' times summed over those steps (:func:`exploration`).
 * **Peak memory**: each arm in a fresh subprocess. The data and batches are made first and the
@@ -102,17 +105,29 @@ GUARD_FLOOR = "plain + norm and read (guard floor)"
 LEAN_PLAIN = "plain, no profiler scopes"
 TIMED_ONLY = (GUARD_FLOOR, LEAN_PLAIN)  # arms timed beside ARMS, never run for memory
 IN_PROCESS_PARAMS = 5_000_000  # above this, each arm is stepped in a process of its own (ProcessArm)
-# Above IN_PROCESS_PARAMS (steps of ~0.5 s on one core): untimed steps, timed steps, chunk per arm
-# and the untimed first steps of each chunk (_timed_chunk's settle); and distinct batches, so that
-# none repeats within an arm's run (the exploration takes at most 400 steps): on this model a batch
-# seen again 64 steps later gave a loss 4x lower and a gradient norm 20x the median, which the
-# guard refused as an explosion and rolled back (5 times in 60 timed steps, 45 in the exploration's
+# Timed steps per chunk: one good-state period (HybridConfig.good_state_every), so that every
+# chunk's timed steps hold exactly one snapshot whatever their offset, and the median over rounds
+# counts it. With chunks of 16 a snapshot fell in one chunk of three, which the median all but
+# leaves out; on the 51M model (chunks of 5 whose first step was untimed) it fell on the untimed
+# step every time, so its cost was never timed there.
+PERIOD = 50
+# Above IN_PROCESS_PARAMS (steps of ~0.5 s on one core): untimed steps, timed steps, the untimed
+# first steps of each chunk (_timed_chunk's settle: they come on top of the period's timed steps);
+# and distinct batches, so that none repeats within an arm's run (warm-up, up to ~100 steps until
+# the default config switches prediction off, and the timed steps): on this model a batch seen
+# again 64 steps later gave a loss 4x lower and a gradient norm 20x the median, which the guard
+# refused as an explosion and rolled back (5 times in 60 timed steps, 45 in the exploration's
 # 220), so the arms timed the guard's rollbacks rather than its steady cost.
-BIG_WARMUP, BIG_STEPS, BIG_CHUNK, BIG_SETTLE, BIG_BATCHES = 20, 60, 5, 1, 512
-# Steps under ~6 ms: timed over SHORT_STEP_FACTOR times the steps (400 rounds; Fashion-MNIST's
-# arms take ~40 s each), since their overheads are tens of µs: the 95% interval of Fashion's was
-# 80 µs wide over 200 rounds (2dc0d82) and 210 µs over 100, against the 120 µs its 2% goal allows.
-SHORT_STEP_MODELS, SHORT_STEP_FACTOR = ("tiny", "mlp-1ms", "fashion"), 16
+BIG_WARMUP, BIG_STEPS, BIG_SETTLE, BIG_BATCHES = 20, 12 * PERIOD, 1, 1024
+BIG_CHUNK = BIG_SETTLE + PERIOD
+# Timed steps per arm by model (others: --steps or 8 periods). Overheads of tens of µs on steps
+# under ~6 ms need many rounds: the 95% interval of Fashion-MNIST's was 80 µs wide over 200 rounds
+# of 16 steps and 210 µs over 100, against the 120 µs its 2% goal allows (128 rounds of 50 steps
+# here; its arms take ~40 s each); the char-LM's interval over 25 rounds of 16 steps spanned 3.8%.
+MODEL_STEPS = {"tiny": 128 * PERIOD, "mlp-1ms": 128 * PERIOD, "fashion": 128 * PERIOD, "charlm": 32 * PERIOD}
+# The arms with prediction are warmed up until it is off (at most this many steps beyond --warmup),
+# so that the table times them as they run from then on; exploration() times the steps before.
+UNTIL_OFF_MAX = 400
 # The CPU time goals of the trainer with predict=False: a fixed cost per step of at
 # most GOAL_FIXED_US, and at most GOAL_RATIO of the plain step where it takes GOAL_LONG_STEP_US or more.
 GOAL_FIXED_US, GOAL_RATIO, GOAL_LONG_STEP_US = 50.0, 1.02, 5000.0
@@ -439,17 +454,24 @@ def _check_settle(chunk: int, settle: int) -> None:
 
 def time_interleaved(workload: Workload, device: torch.device, warmup: int, steps: int, chunk: int,
                      progress, separate: bool = False, arms: list[str] | None = None,
-                     settle: int = 0) -> dict[str, dict[str, Any]]:
+                     settle: int = 0, until_off_max: int = UNTIL_OFF_MAX) -> dict[str, dict[str, Any]]:
     """Per arm (``arms``; every arm and the guard floor by default): step times, the arms
     stepped in interleaved chunks, the order rotated each round; in this process, or each in a
     process of its own (``separate``); ``steps`` timed steps per arm, each chunk's first
-    ``settle`` steps run untimed besides."""
+    ``settle`` steps run untimed besides. Before timing, ``warmup`` untimed steps per arm, and
+    an arm whose prediction can still run goes on untimed until it is off (at most
+    ``until_off_max`` steps more; :func:`exploration` times those steps)."""
     _check_settle(chunk, settle)
     names = arms or [*ARMS, *TIMED_ONLY]
     runners = make_arms(names, workload, device, separate)
     try:
-        for runner in runners.values():  # untimed: past the trainer's warm-up phase and first decisions
+        warmed = {}
+        for name, runner in runners.items():  # untimed: past the trainer's warm-up phase and first decisions
             runner.run(warmup, timed=False)
+            warmed[name] = warmup
+            while runner.prediction_enabled and warmed[name] < warmup + until_off_max:
+                runner.run(PERIOD // 5, timed=False)
+                warmed[name] += PERIOD // 5
         before = {name: runner.refusals for name, runner in runners.items()}
         for r in range(-(-steps // (chunk - settle))):
             for name in names[r % len(names):] + names[:r % len(names)]:
@@ -458,7 +480,7 @@ def time_interleaved(workload: Workload, device: torch.device, warmup: int, step
         out = {}
         for name in names:
             runner = runners[name]
-            out[name] = _time_summary(runner.times, runner.phases, chunk, settle)
+            out[name] = dict(_time_summary(runner.times, runner.phases, chunk, settle), warmup_steps=warmed[name])
             # The guard's own work while timed: a rollback reads the good state back (and the
             # steps it discards were still paid for), which the plain loop never does.
             out[name]["refusals"] = {k: v - before[name][k] for k, v in runner.refusals.items()}
@@ -869,6 +891,19 @@ def _mb(n: float | None) -> str:
     return "–" if n is None else f"{n / 1e6:.1f}"
 
 
+def _chunks_said(results: dict[str, Any]) -> str:
+    """The timed steps per chunk of the models' runs, e.g. ``50 timed steps (mlp-50m: 1 untimed + 50)``."""
+    said = {}
+    for model, r in results["models"].items():
+        t = (r["arms"].get("plain") or {}).get("time") or {}
+        if "chunk" in t:
+            settle = t.get("settle", 0)
+            said[model] = (f"{settle} untimed + {t['chunk'] - settle}" if settle else f"{t['chunk']}")
+    common = max(set(said.values()), key=list(said.values()).count, default="?")
+    others = [f"{m}: {v}" for m, v in said.items() if v != common]
+    return f"{common} timed steps" + (f" ({'; '.join(others)})" if others else "")
+
+
 def markdown(results: dict[str, Any]) -> str:
     runs = {json.dumps(r["run"], sort_keys=True) for r in results["models"].values() if "run" in r}
     if len(runs) > 1:  # merged from several invocations: say which model came from which
@@ -877,12 +912,13 @@ def markdown(results: dict[str, Any]) -> str:
     lines = [f"Trainer overhead over the plain AdamW loop, `{results['command']}` ({results['date']}, commit "
              f"{(results['git']['commit'] or '?')[:10]}{' + uncommitted changes' if results['git']['dirty'] else ''}, "
              f"torch {results['torch']}, {results['device']}, {results['threads']} thread(s)).", "",
-             "Time: median over chunks of 16 steps of the chunk's mean step (so a cost paid every N steps counts); "
+             f"Time: median over chunks of {_chunks_said(results)} of the chunk's mean step (each chunk's timed "
+             "steps span one good-state period, so each pays one snapshot); "
              "overhead: median over rounds of the arm's chunk mean minus the plain loop's in the same round, with a "
              "distribution-free 95% interval; "
              "arms interleaved chunk by chunk, in one process (models ≤ 5M parameters) or each in a "
-             "process of its own (larger: chunks of 5 steps, the first of each untimed, as it pays for the switch of "
-             "arms); ratio = (plain step + overhead) / plain step. Real steps: the trainer's non-predicted "
+             "process of its own (larger; the first step of each chunk untimed, as it pays for the switch of "
+             "arms); arms with prediction timed once it is off; ratio = (plain step + overhead) / plain step. Real steps: the trainer's non-predicted "
              "steps. Memory, each arm in fresh processes: peak RSS above the baseline after data loading (what a "
              "user meets: tensors, Python objects, allocator slack), and the exact peak of live tensor bytes "
              "(every allocation and free of torch's CPU allocator, summed in time order from before the model is "
@@ -952,8 +988,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps per arm before timing")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per arm")
     parser.add_argument("--chunk", type=int, default=None,
-                        help=f"steps per arm per interleaving round (16; {BIG_CHUNK} for models above "
-                             f"{IN_PROCESS_PARAMS // 1_000_000}M parameters)")
+                        help=f"steps per arm per interleaving round ({PERIOD}, one good-state period; {BIG_CHUNK} "
+                             f"for models above {IN_PROCESS_PARAMS // 1_000_000}M parameters, the first untimed)")
     parser.add_argument("--memory-steps", type=int, default=None, help="steps per memory run (fresh process)")
     parser.add_argument("--batches", type=int, default=None,
                         help=f"distinct batches, cycled (64; {BIG_BATCHES} for models above "
@@ -974,7 +1010,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.chunk_given, args.batches_given = args.chunk is not None, args.batches is not None
     args.batches = args.batches if args.batches_given else 64
-    args.chunk = args.chunk if args.chunk_given else 16
+    args.chunk = args.chunk if args.chunk_given else PERIOD
     device = torch.device(args.device)
     if args.child:
         print(json.dumps(memory_child(*args.child, args.device, args.memory_steps, args.batches, args.child_measure)))
@@ -987,7 +1023,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     models = args.models or (["tiny", "small"] if args.quick else ["tiny", "mlp-1ms", "fashion", "charlm", "mlp-50m"])
     warmup = args.warmup if args.warmup is not None else (25 if args.quick else 60)
-    default_steps = 20 if args.quick else 400
+    default_steps = 20 if args.quick else 8 * PERIOD
     explore_steps = args.explore_steps if args.explore_steps is not None else (40 if args.quick else 400)
     memory_steps = args.memory_steps if args.memory_steps is not None else (30 if args.quick else 120)
     command = "python -m bench.overhead " + " ".join(sys.argv[1:] if argv is None else argv)
@@ -995,7 +1031,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = dict(meta, git=dict(commit=meta["git_commit"], dirty=meta["git_dirty"]), device=str(device),
                                    host=platform.node(), threads=torch.get_num_threads(), models={},
                                    settings=dict(warmup=warmup, steps=args.steps or default_steps,
-                                                 short_step_models_steps=None if args.quick or args.steps else SHORT_STEP_FACTOR * default_steps,
+                                                 model_steps=None if args.quick or args.steps else MODEL_STEPS,
                                                  chunk=args.chunk, explore_steps=explore_steps,
                                                  memory_steps=memory_steps, batches=args.batches))
     suffix = ("_quick" if args.quick else "") + ("" if device.type == "cpu" else f"_{device.type}")
@@ -1028,11 +1064,11 @@ def main(argv: list[str] | None = None) -> int:
                 arm_warmup = args.warmup if args.warmup is not None else BIG_WARMUP
             else:
                 steps = args.steps if args.steps is not None else (
-                    default_steps if args.quick or name not in SHORT_STEP_MODELS else SHORT_STEP_FACTOR * default_steps)
+                    default_steps if args.quick else MODEL_STEPS.get(name, default_steps))
                 arm_warmup = warmup
             with tqdm(total=-(-steps // (chunk - settle)), desc=f"{name}: time", leave=False) as bar:
                 for arm, t in time_interleaved(workload, device, arm_warmup, steps, chunk, bar, separate=big,
-                                               settle=settle).items():
+                                               settle=settle, until_off_max=explore_steps).items():
                     entry["arms"].setdefault(arm, {})["time"] = t
             parts_steps = args.breakdown_steps if args.breakdown_steps is not None else (10 if args.quick else 300)
             if parts_steps and not big:

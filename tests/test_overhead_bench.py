@@ -173,6 +173,50 @@ def test_quick_run_reports_every_arm_with_ratios_from_its_measurements(tmp_path)
     assert again["arms"]["plain"]["memory"]["training_bytes"] > 0
 
 
+def test_the_arms_with_prediction_are_timed_once_it_is_off():
+    """The table times the default config as it runs after its worth gate decided; the steps
+    before are exploration()'s. On the tiny model the gate switches prediction off from step 80."""
+    workload = overhead.make_workload("tiny", 8, torch.device("cpu"))
+    out = overhead.time_interleaved(workload, torch.device("cpu"), 3, 20, 10, _NoProgress(),
+                                    arms=["plain", "default", "predict=False"])
+    assert out["plain"]["warmup_steps"] == out["predict=False"]["warmup_steps"] == 3
+    # Off at a phase decision (80 steps or later, as the gate finds), then at most a few steps more.
+    assert 80 <= out["default"]["warmup_steps"] < 3 + overhead.UNTIL_OFF_MAX
+    assert not out["default"]["prediction_enabled_at_end"] and out["default"]["steps"] == 20
+    capped = overhead.time_interleaved(workload, torch.device("cpu"), 3, 10, 10, _NoProgress(), arms=["default"],
+                                       until_off_max=30)
+    assert capped["default"]["warmup_steps"] == 33 and capped["default"]["prediction_enabled_at_end"]
+
+
+@pytest.mark.parametrize("chunk, settle", [(overhead.PERIOD, 0), (overhead.BIG_CHUNK, overhead.BIG_SETTLE)])
+@pytest.mark.parametrize("warmup", [0, 7, overhead.BIG_WARMUP])
+def test_every_chunk_times_exactly_one_good_state_snapshot(chunk, settle, warmup):
+    """A snapshot every ``good_state_every`` steps is a cost of the trainer's: each chunk's timed
+    steps must hold one, wherever the chunk starts (chunks of 5 with an untimed first step had
+    the 51M model's snapshots all on untimed steps)."""
+    from hybrid_trainer import HybridConfig
+
+    assert overhead.PERIOD == HybridConfig().good_state_every
+    workload = overhead.make_workload("tiny", 8, torch.device("cpu"))
+    arm = overhead.LocalArm("predict=False", workload, torch.device("cpu"))
+    saved_at, save = [], arm.trainer.guard.good_state.save
+
+    def counting_save(*args, **kwargs):
+        saved_at.append(len(arm.times))  # the index this step's time (None if untimed) is appended at
+        return save(*args, **kwargs)
+
+    arm.trainer.guard.good_state.save = counting_save
+    arm.run(warmup, timed=False)
+    saved_at.clear()
+    for _ in range(4):
+        arm.run(chunk, settle=settle)
+    per_chunk = [0] * 4
+    for i in saved_at:
+        if arm.times[i] is not None:
+            per_chunk[i // chunk] += 1
+    assert per_chunk == [1, 1, 1, 1]
+
+
 def test_a_chunk_needs_a_timed_step():
     workload = overhead.make_workload("tiny", 8, torch.device("cpu"))
     with pytest.raises(ValueError, match="settle"):
@@ -185,8 +229,11 @@ def test_arms_in_processes_of_their_own_step_as_they_do_in_this_one():
     a time: the same phases and counts as the same arms stepped here."""
     workload = overhead.make_workload("tiny", 8, torch.device("cpu"))
     arms = ["plain", "default"]
-    apart = overhead.time_interleaved(workload, torch.device("cpu"), 3, 40, 7, _NoProgress(), separate=True, arms=arms)
-    here = overhead.time_interleaved(workload, torch.device("cpu"), 3, 40, 7, _NoProgress(), separate=False, arms=arms)
+    # until_off_max=0: timed from the 4th step, prediction on (the phases below are what is compared)
+    apart = overhead.time_interleaved(workload, torch.device("cpu"), 3, 40, 7, _NoProgress(), separate=True, arms=arms,
+                                      until_off_max=0)
+    here = overhead.time_interleaved(workload, torch.device("cpu"), 3, 40, 7, _NoProgress(), separate=False, arms=arms,
+                                     until_off_max=0)
     assert list(apart) == arms
     for arm in arms:
         assert apart[arm]["steps"] == here[arm]["steps"] == 42  # 6 rounds of 7
@@ -208,7 +255,7 @@ def test_the_first_steps_of_each_chunk_can_run_untimed_in_both_arms_alike():
     those steps run (the trainer's phases advance) but are left out of every time figure."""
     workload = overhead.make_workload("tiny", 8, torch.device("cpu"))
     out = overhead.time_interleaved(workload, torch.device("cpu"), 2, 12, 4, _NoProgress(), arms=["plain", "default"],
-                                    settle=1)
+                                    settle=1, until_off_max=0)
     for arm in ("plain", "default"):
         assert out[arm]["steps"] == 12 and out[arm]["settle"] == 1  # 4 rounds of 3 timed steps
     # 2 warm-up steps and 4 untimed first steps ran as well: 18 steps in all, WARMUP's 20 not over.
