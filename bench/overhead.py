@@ -22,9 +22,9 @@ the same initial weights, the same batches in the same order and the same seed.
   chunk's timed steps span one period, so each holds exactly one good-state snapshot and its
   cost is in every chunk's mean, where a median over single steps, or over shorter chunks,
   would leave it out (the guard's read of a block with ``read_every=16`` falls 3 or 4 times in
-  a chunk); the per-step median is recorded beside it. On a CPU a step's time is the thread's CPU time (``time.thread_time``):
-  with one thread per process that is all of the step's work, without the time other processes
-  held the core. For the trainer also the median over its real steps only (the default
+  a chunk); the per-step median is recorded beside it. On a CPU a step's time is the thread's
+  CPU time (``time.thread_time``): with one thread per process that is all of the step's work,
+  without the time other processes held the core. For the trainer also the median over its real steps only (the default
   config's predicted steps skip the backward, which is a saving, not an overhead). The overhead
   is the median over rounds of the arm's chunk mean minus the plain loop's in the same round,
   with a distribution-free 95% interval (:func:`paired_overhead`); the ratio is the plain step
@@ -109,7 +109,9 @@ IN_PROCESS_PARAMS = 5_000_000  # above this, each arm is stepped in a process of
 # chunk's timed steps hold exactly one snapshot whatever their offset, and the median over rounds
 # counts it. With chunks of 16 a snapshot fell in one chunk of three, which the median all but
 # leaves out; on the 51M model (chunks of 5 whose first step was untimed) it fell on the untimed
-# step every time, so its cost was never timed there.
+# step every time, so its cost was never timed there. Written out rather than read from
+# HybridConfig: importing hybrid_trainer here would load the kernels before main() picks their
+# backend (tests/test_overhead_bench.py checks that the two agree).
 PERIOD = 50
 # Above IN_PROCESS_PARAMS (steps of ~0.5 s on one core): untimed steps, timed steps, the untimed
 # first steps of each chunk (_timed_chunk's settle: they come on top of the period's timed steps);
@@ -470,7 +472,7 @@ def time_interleaved(workload: Workload, device: torch.device, warmup: int, step
             runner.run(warmup, timed=False)
             warmed[name] = warmup
             while runner.prediction_enabled and warmed[name] < warmup + until_off_max:
-                runner.run(PERIOD // 5, timed=False)
+                runner.run(PERIOD // 5, timed=False)  # in tens: the gate decides at the end of a FULL phase (20 steps)
                 warmed[name] += PERIOD // 5
         before = {name: runner.refusals for name, runner in runners.items()}
         for r in range(-(-steps // (chunk - settle))):
