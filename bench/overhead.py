@@ -133,6 +133,10 @@ UNTIL_OFF_MAX = 400
 # The CPU time goals of the trainer with predict=False: a fixed cost per step of at
 # most GOAL_FIXED_US, and at most GOAL_RATIO of the plain step where it takes GOAL_LONG_STEP_US or more.
 GOAL_FIXED_US, GOAL_RATIO, GOAL_LONG_STEP_US = 50.0, 1.02, 5000.0
+# A refused step skips the update and a rollback discards steps: above this share of its timed
+# steps refused, the arm's time is not the guard's steady cost and no verdict is drawn from it
+# (Fashion-MNIST's 64 batches cycled 300 times: 2,216 refusals in 19,200 steps).
+REFUSED_SHARE_LIMIT = 0.01
 
 
 @dataclass
@@ -837,13 +841,17 @@ def time_goal(entry: dict[str, Any]) -> dict[str, Any] | None:
         return None
     step = plain.get("chunk_median_us", plain.get("median_us"))
     interval = c.get("overhead_ci95_us")
+    timed = entry["arms"]["predict=False"]["time"]
+    refused = (timed.get("refusals") or {}).get("skipped_steps", 0)
+    unsteady = (f"not resolved (the guard refused {refused} of its {timed['steps']} timed steps)"
+                if refused and refused > REFUSED_SHARE_LIMIT * timed["steps"] else None)
     if step >= GOAL_LONG_STEP_US:
         shown = "" if interval is None else f", 95% interval {100 * interval[0] / step:+.1f}…{100 * interval[1] / step:+.1f}%"
         return dict(goal=f"≤ {100 * (GOAL_RATIO - 1):.0f}%", step_us=step, shown=shown,
-                    verdict=goal_verdict(c["overhead_us"], interval, (GOAL_RATIO - 1) * step))
+                    verdict=unsteady or goal_verdict(c["overhead_us"], interval, (GOAL_RATIO - 1) * step))
     shown = "" if interval is None else f", 95% interval {interval[0]:+.0f}…{interval[1]:+.0f} µs"
     return dict(goal=f"≤ {GOAL_FIXED_US:.0f} µs", step_us=step, shown=shown,
-                verdict=goal_verdict(c["overhead_us"], interval, GOAL_FIXED_US))
+                verdict=unsteady or goal_verdict(c["overhead_us"], interval, GOAL_FIXED_US))
 
 
 def over_lean_calls(arms: dict[str, Any]) -> tuple[float, dict[str, Any] | None] | None:

@@ -67,6 +67,12 @@ def test_the_goal_lines_give_the_overhead_over_the_plain_loop_and_over_its_lean_
     assert line.startswith("- m: +40 µs") and "95% interval +35…+44 µs), goal ≤ 50 µs: met" in line
     # Round by round: (30 + i) - (-40 + i % 2) = 70, 70, 72, 72, ..., 88, 88: median 79, sign-test ranks 5 and 14.
     assert "without profiler scopes (-40 µs against the plain loop): +79 µs [+74, +84]" in line
+    # An arm whose guard refused more than 1% of its timed steps skipped updates: no verdict from it.
+    arms["predict=False"]["time"].update(steps=1000, refusals={"skipped_steps": 10, "divergence_rollbacks": 10})
+    assert "goal ≤ 50 µs: met" in overhead.goal_lines({"models": {"m": {"arms": arms}}})[-1]  # 1%: still steady
+    arms["predict=False"]["time"]["refusals"]["skipped_steps"] = 11
+    line = overhead.goal_lines({"models": {"m": {"arms": arms}}})[-1]
+    assert "goal ≤ 50 µs: not resolved (the guard refused 11 of its 1000 timed steps)" in line
 
 
 def test_tensor_peak_is_exact_on_a_known_sequence_of_allocations():
