@@ -5,9 +5,9 @@ Why: torch wraps every optimizer class's ``step`` (``Optimizer.profile_hook_step
 ``torch.autograd.profiler.record_function``, whose enter and exit are two dispatcher calls that
 build a TorchScript object whether or not a profiler is on: the same kind of cost as
 ``zero_grad``'s scope, which the trainer already avoids by setting the gradients to None. On one
-CPU core the two scopes together cost a plain loop 58 and 69 µs a step on the tiny and 1 ms MLPs
-(``python -m bench.overhead``, its ``plain, no profiler scopes`` arm), more than the gradient
-pass of the trainer's NaN guard.
+CPU core the two scopes together cost a plain loop some 60-80 µs a step on the tiny and 1 ms MLPs
+(``python -m bench.overhead``, its ``plain, no profiler scopes`` arm; docs/results/overhead.md),
+more than the gradient pass of the trainer's NaN guard.
 
 What the wrapper does besides the scope: it runs the optimizer-step pre- and post-hooks (torch's
 global ones and the optimizer's own) around the update and calls ``_optimizer_step_code``, the
