@@ -12,7 +12,9 @@ the same initial weights, the same batches in the same order and the same seed.
   machine's load falls on all of them alike; up to ``IN_PROCESS_PARAMS`` parameters every arm
   lives in this process, above it each arm in a process of its own, stepped only when told
   (:class:`ProcessArm`: all arms of such a model in one process would hold too much memory at
-  once). On CUDA a chunk is timed as a whole between two
+  once), and timed beside the plain loop alone, one pair after another (``in_pairs`` of
+  :func:`time_interleaved`: so that no arm idles longer between its chunks than a run between
+  its snapshots). On CUDA a chunk is timed as a whole between two
   synchronisations (each of its steps gets the chunk's mean), so the trainer's own waits on the
   device are in its time. Per arm the median over chunks (``--chunk`` steps, by default
   ``PERIOD``: one good-state period) of the chunk's mean step time, after ``--warmup`` untimed
@@ -458,44 +460,96 @@ def _check_settle(chunk: int, settle: int) -> None:
         raise ValueError(f"settle: untimed steps per chunk must be in [0, chunk={chunk}), got {settle}")
 
 
+def _warm(runner, warmup: int, until_off_max: int) -> int:
+    """Run ``runner`` ``warmup`` steps untimed, then on (untimed) while its prediction can still
+    run, at most ``until_off_max`` steps more. Returns the steps it ran."""
+    runner.run(warmup, timed=False)
+    warmed = warmup
+    while runner.prediction_enabled and warmed < warmup + until_off_max:
+        runner.run(PERIOD // 5, timed=False)  # in tens: the gate decides at the end of a FULL phase (20 steps)
+        warmed += PERIOD // 5
+    return warmed
+
+
+def _interleave(runners: dict[str, Any], rounds: int, chunk: int, settle: int, progress) -> None:
+    """``rounds`` rounds, each stepping every runner one chunk, the order rotated each round."""
+    names = list(runners)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            runners[name].run(chunk, settle=settle)
+        progress.update(1)
+
+
+def _arm_summary(name: str, runner, chunk: int, settle: int, warmed: int,
+                 refusals_before: dict[str, int]) -> dict[str, Any]:
+    """Arm ``name``'s time summary (:func:`_time_summary`), with its
+    warm-up steps and the guard's refusals while timed: a rollback reads the good state back
+    (and the steps it discards were still paid for), which the plain loop never does."""
+    out = dict(_time_summary(runner.times, runner.phases, chunk, settle), warmup_steps=warmed)
+    out["refusals"] = {k: v - refusals_before[k] for k, v in runner.refusals.items()}
+    if ARMS.get(name) is not None:  # a trainer arm with a config
+        out["prediction_enabled_at_end"] = runner.prediction_enabled
+    return out
+
+
 def time_interleaved(workload: Workload, device: torch.device, warmup: int, steps: int, chunk: int,
                      progress, separate: bool = False, arms: list[str] | None = None,
-                     settle: int = 0, until_off_max: int = UNTIL_OFF_MAX) -> dict[str, dict[str, Any]]:
+                     settle: int = 0, until_off_max: int = UNTIL_OFF_MAX,
+                     in_pairs: bool = False) -> dict[str, dict[str, Any]]:
     """Per arm (``arms``; every arm and the guard floor by default): step times, the arms
     stepped in interleaved chunks, the order rotated each round; in this process, or each in a
     process of its own (``separate``); ``steps`` timed steps per arm, each chunk's first
     ``settle`` steps run untimed besides. Before timing, ``warmup`` untimed steps per arm, and
     an arm whose prediction can still run goes on untimed until it is off (at most
-    ``until_off_max`` steps more; :func:`exploration` times those steps)."""
+    ``until_off_max`` steps more; :func:`exploration` times those steps).
+
+    ``in_pairs``: each arm is timed beside the plain loop alone: one plain loop throughout, the
+    other arms built, timed and closed one after another (``progress`` counts the rounds of
+    every pair). Each arm's summary keeps the plain loop's chunk means of its own rounds
+    (``plain_chunk_means_us``, which :func:`paired_overhead` pairs it with). An arm then waits
+    one chunk between its chunks rather than one per other arm. On the 51M model (chunks of
+    ~25 s) seven arms made each wait ~150 s, longer than the 60 s after which this machine's
+    kernel pages out file cache nobody touched (a DAMON ``pageout`` scheme), so each snapshot
+    rewrote its 616 MB file into fresh pages: 1.1 s, against 0.05 s when the file is rewritten
+    30 s after (docs/trainer.md). A run rewrites it every 50 steps, ~25 s on that model."""
     _check_settle(chunk, settle)
     names = arms or [*ARMS, *TIMED_ONLY]
-    runners = make_arms(names, workload, device, separate)
+    rounds = -(-steps // (chunk - settle))
+    if not in_pairs:
+        runners = make_arms(names, workload, device, separate)
+        try:
+            warmed = {name: _warm(runner, warmup, until_off_max) for name, runner in runners.items()}
+            before = {name: dict(runner.refusals) for name, runner in runners.items()}
+            _interleave(runners, rounds, chunk, settle, progress)
+            return {name: _arm_summary(name, runners[name], chunk, settle, warmed[name], before[name])
+                    for name in names}
+        finally:
+            for runner in runners.values():
+                runner.close()
+    if "plain" not in names:
+        raise ValueError(f"in_pairs: each arm is timed beside the plain loop, which arms={names} leaves out")
+    plain = make_arms(["plain"], workload, device, separate)["plain"]
     try:
-        warmed = {}
-        for name, runner in runners.items():  # untimed: past the trainer's warm-up phase and first decisions
-            runner.run(warmup, timed=False)
-            warmed[name] = warmup
-            while runner.prediction_enabled and warmed[name] < warmup + until_off_max:
-                runner.run(PERIOD // 5, timed=False)  # in tens: the gate decides at the end of a FULL phase (20 steps)
-                warmed[name] += PERIOD // 5
-        before = {name: runner.refusals for name, runner in runners.items()}
-        for r in range(-(-steps // (chunk - settle))):
-            for name in names[r % len(names):] + names[:r % len(names)]:
-                runners[name].run(chunk, settle=settle)
-            progress.update(1)
-        out = {}
+        plain_warmed = _warm(plain, warmup, until_off_max)
+        plain_before = dict(plain.refusals)
+        out: dict[str, dict[str, Any]] = {}
         for name in names:
-            runner = runners[name]
-            out[name] = dict(_time_summary(runner.times, runner.phases, chunk, settle), warmup_steps=warmed[name])
-            # The guard's own work while timed: a rollback reads the good state back (and the
-            # steps it discards were still paid for), which the plain loop never does.
-            out[name]["refusals"] = {k: v - before[name][k] for k, v in runner.refusals.items()}
-            if name in ARMS and ARMS[name] is not None:
-                out[name]["prediction_enabled_at_end"] = runner.prediction_enabled
-        return out
+            if name == "plain":
+                continue
+            arm = make_arms([name], workload, device, separate)[name]
+            try:
+                warmed = _warm(arm, warmup, until_off_max)
+                before, start = dict(arm.refusals), len(plain.times)
+                _interleave({"plain": plain, name: arm}, rounds, chunk, settle, progress)
+                out[name] = _arm_summary(name, arm, chunk, settle, warmed, before)
+                out[name]["plain_chunk_means_us"] = _time_summary(
+                    plain.times[start:], plain.phases[start:], chunk, settle)["chunk_means_us"]
+            finally:
+                arm.close()
+        out["plain"] = dict(_arm_summary("plain", plain, chunk, settle, plain_warmed, plain_before), in_pairs=True)
+        return {name: out[name] for name in names}
     finally:
-        for runner in runners.values():
-            runner.close()
+        plain.close()
 
 
 def exploration(workload: Workload, device: torch.device, max_steps: int, chunk: int, progress,
@@ -775,11 +829,19 @@ def median_interval_ranks(n: int, level: float = 0.95) -> tuple[int, int] | None
 def paired_overhead(plain_time: dict, arm_time: dict) -> dict[str, Any] | None:
     """The arm's chunk means minus the plain loop's, round by round (each round steps every arm
     one chunk, so a pair shares the machine's state): their median and a distribution-free 95%
-    interval for it (:func:`median_interval_ranks`). None without chunk means (results files
-    from before they were kept)."""
+    interval for it (:func:`median_interval_ranks`). An arm timed in a pair with the plain loop
+    is taken against that loop's chunks of its own rounds; ``plain_time`` may then be another
+    such arm (over each one's own rounds). None without chunk means (results files from before
+    they were kept)."""
     a, p = arm_time.get("chunk_means_us"), plain_time.get("chunk_means_us")
     if not a or not p:
         return None
+    if "plain_chunk_means_us" in arm_time:  # timed in a pair with the plain loop (time_interleaved's in_pairs)
+        # Each against the plain loop of its own rounds; a base that is not the plain loop was
+        # timed in a pair of its own, so it is taken over its own rounds' plain loop too.
+        a = [x - y for x, y in zip(a, arm_time["plain_chunk_means_us"])]
+        base = plain_time.get("plain_chunk_means_us")
+        p = [0.0] * len(a) if base is None else [x - y for x, y in zip(p, base)]
     differences = sorted(x - y for x, y in zip(a, p))
     ranks = median_interval_ranks(len(differences))
     return dict(pairs=len(differences), median_us=statistics.median(differences),
@@ -901,6 +963,18 @@ def _mb(n: float | None) -> str:
     return "–" if n is None else f"{n / 1e6:.1f}"
 
 
+def _pairs_said(results: dict[str, Any]) -> str:
+    """How the arms of the models timed in pairs with the plain loop were interleaved, for the
+    markdown ('' where none was)."""
+    paired = [m for m, r in results["models"].items()
+              if ((r["arms"].get("plain") or {}).get("time") or {}).get("in_pairs")]
+    if not paired:
+        return ""
+    return (f"; {', '.join(paired)}: each arm timed beside the plain loop alone, one pair after another, and "
+            "taken against the plain loop's chunks of its own rounds, so that no arm waits longer between its "
+            "chunks than a run waits between its snapshots")
+
+
 def _chunks_said(results: dict[str, Any]) -> str:
     """The timed steps per chunk of the models' runs, e.g. ``50 timed steps (mlp-50m: 1 untimed + 50)``."""
     said = {}
@@ -928,7 +1002,7 @@ def markdown(results: dict[str, Any]) -> str:
              "distribution-free 95% interval; "
              "arms interleaved chunk by chunk, in one process (models ≤ 5M parameters) or each in a "
              "process of its own (larger; the first step of each chunk untimed, as it pays for the switch of "
-             "arms); arms with prediction timed once it is off; ratio = (plain step + overhead) / plain step. Real steps: the trainer's non-predicted "
+             f"arms{_pairs_said(results)}); arms with prediction timed once it is off; ratio = (plain step + overhead) / plain step. Real steps: the trainer's non-predicted "
              "steps. Memory, each arm in fresh processes: peak RSS above the baseline after data loading (what a "
              "user meets: tensors, Python objects, allocator slack), and the exact peak of live tensor bytes "
              "(every allocation and free of torch's CPU allocator, summed in time order from before the model is "
@@ -1076,9 +1150,10 @@ def main(argv: list[str] | None = None) -> int:
                 steps = args.steps if args.steps is not None else (
                     default_steps if args.quick else MODEL_STEPS.get(name, default_steps))
                 arm_warmup = warmup
-            with tqdm(total=-(-steps // (chunk - settle)), desc=f"{name}: time", leave=False) as bar:
+            pairs = len(ARMS) + len(TIMED_ONLY) - 1 if big else 1
+            with tqdm(total=pairs * -(-steps // (chunk - settle)), desc=f"{name}: time", leave=False) as bar:
                 for arm, t in time_interleaved(workload, device, arm_warmup, steps, chunk, bar, separate=big,
-                                               settle=settle, until_off_max=explore_steps).items():
+                                               settle=settle, until_off_max=explore_steps, in_pairs=big).items():
                     entry["arms"].setdefault(arm, {})["time"] = t
             parts_steps = args.breakdown_steps if args.breakdown_steps is not None else (10 if args.quick else 300)
             if parts_steps and not big:

@@ -294,3 +294,65 @@ def test_the_guards_refusals_while_timed_are_counted_per_arm():
     assert out["plain"]["refusals"] == {"skipped_steps": 0, "divergence_rollbacks": 0}
     refused = out["predict=False"]["refusals"]
     assert 0 < refused["skipped_steps"] <= 24 and refused["divergence_rollbacks"] == 0  # NaN: refused, no rollback
+
+
+def test_in_pairs_each_arm_is_timed_beside_the_plain_loop_alone(monkeypatch):
+    """``in_pairs`` (the 51M model's arms): one plain loop throughout, each other arm built,
+    timed beside it alone and closed before the next, and kept with the plain loop's chunk
+    means of its own rounds. Seven arms interleaved made each idle six chunks (~150 s there)
+    between two of its own, which had the kernel page out its snapshot's file cache."""
+    workload = overhead.make_workload("tiny", 8, torch.device("cpu"))
+    log, open_arms = [], set()
+    make_arms = overhead.make_arms
+
+    def logging_arms(names, *args, **kwargs):
+        arms = make_arms(names, *args, **kwargs)
+        for name, arm in arms.items():
+            open_arms.add(name)
+            run, close = arm.run, getattr(arm, "close", lambda: None)
+
+            def logged_run(steps, timed=True, settle=0, _name=name, _run=run):
+                if timed:
+                    log.append((_name, frozenset(open_arms)))
+                return _run(steps, timed=timed, settle=settle)
+
+            def logged_close(_name=name, _close=close):
+                open_arms.discard(_name)
+                return _close()
+            arm.run, arm.close = logged_run, logged_close
+        return arms
+
+    monkeypatch.setattr(overhead, "make_arms", logging_arms)
+    names = ["plain", "predict=False", overhead.GUARD_FLOOR]
+    out = overhead.time_interleaved(workload, torch.device("cpu"), 3, 12, 4, _NoProgress(), arms=names,
+                                    settle=1, until_off_max=0, in_pairs=True)
+    assert list(out) == names
+    # 4 rounds of 3 timed steps per pair: the floor's chunks come only after predict=False is closed.
+    assert [n for n, _ in log] == ["plain", "predict=False", "predict=False", "plain"] * 2 + \
+        ["plain", overhead.GUARD_FLOOR, overhead.GUARD_FLOOR, "plain"] * 2
+    assert all(len(alive) == 2 and "plain" in alive for _, alive in log)
+    assert out["plain"]["steps"] == 2 * 12 and out["plain"]["in_pairs"]
+    plain_means = out["plain"]["chunk_means_us"]
+    assert out["predict=False"]["plain_chunk_means_us"] == plain_means[:4]
+    assert out[overhead.GUARD_FLOOR]["plain_chunk_means_us"] == plain_means[4:]
+    for arm in names[1:]:
+        assert out[arm]["steps"] == 12 and len(out[arm]["chunk_means_us"]) == 4
+    assert "prediction_enabled_at_end" in out["predict=False"] and "prediction_enabled_at_end" not in out["plain"]
+    with pytest.raises(ValueError, match="in_pairs"):
+        overhead.time_interleaved(workload, torch.device("cpu"), 0, 4, 4, _NoProgress(), arms=["default"],
+                                  in_pairs=True)
+
+
+def test_an_arm_timed_in_a_pair_is_taken_against_the_plain_loop_of_its_own_rounds():
+    plain = {"chunk_means_us": [100.0] * 6 + [200.0] * 6, "median_us": 150.0}
+    # Timed beside the plain loop's first 6 chunks (100 µs): +10 µs; the second arm beside its last 6: +30 µs.
+    first = {"chunk_means_us": [110.0] * 6, "plain_chunk_means_us": [100.0] * 6}
+    second = {"chunk_means_us": [230.0] * 6, "plain_chunk_means_us": [200.0] * 6}
+    assert overhead.paired_overhead(plain, first)["median_us"] == pytest.approx(10.0)
+    assert overhead.paired_overhead(plain, second)["median_us"] == pytest.approx(30.0)
+    # One paired arm over another: each over its own rounds' plain loop, then the difference.
+    assert overhead.paired_overhead(first, second)["median_us"] == pytest.approx(20.0)
+    results = {"models": {"mlp-50m": {"arms": {"plain": {"time": {"chunk": 51, "settle": 1, "in_pairs": True}}}},
+                          "tiny": {"arms": {"plain": {"time": {"chunk": 50}}}}}}
+    assert "mlp-50m: each arm timed beside the plain loop alone" in overhead._pairs_said(results)
+    assert overhead._pairs_said({"models": {"tiny": results["models"]["tiny"]}}) == ""
