@@ -356,3 +356,24 @@ def test_an_arm_timed_in_a_pair_is_taken_against_the_plain_loop_of_its_own_round
                           "tiny": {"arms": {"plain": {"time": {"chunk": 50}}}}}}
     assert "mlp-50m: each arm timed beside the plain loop alone" in overhead._pairs_said(results)
     assert overhead._pairs_said({"models": {"tiny": results["models"]["tiny"]}}) == ""
+
+
+class _Built(Exception):
+    pass
+
+
+def test_a_model_with_a_batch_count_of_its_own_gets_it_unless_batches_is_given(monkeypatch, tmp_path):
+    """Fashion-MNIST is timed on one epoch of distinct batches (its 64 cycled ones drew the
+    guard's refusals); ``--batches`` still decides for every model."""
+    built = []
+
+    def recording_workload(name, n_batches, device):
+        built.append((name, n_batches))
+        raise _Built
+
+    monkeypatch.setattr(overhead, "make_workload", recording_workload)
+    for argv in (["--models", "fashion"], ["--models", "fashion", "--batches", "32"], ["--models", "tiny"]):
+        with pytest.raises(_Built):
+            overhead.main([*argv, "--out", str(tmp_path)])
+    assert built == [("fashion", overhead.MODEL_BATCHES["fashion"]), ("fashion", 32), ("tiny", 64)]
+    assert overhead.MODEL_BATCHES["fashion"] == 60_000 // 128  # one epoch of the training set, batches of 128
