@@ -515,8 +515,11 @@ def time_interleaved(workload: Workload, device: torch.device, warmup: int, step
     one chunk between its chunks rather than one per other arm. On the 51M model (chunks of
     ~25 s) seven arms made each wait ~150 s, longer than the 60 s after which this machine's
     kernel pages out file cache nobody touched (a DAMON ``pageout`` scheme), so each snapshot
-    rewrote its 616 MB file into fresh pages: 1.1 s, against 0.05 s when the file is rewritten
-    30 s after (docs/trainer.md). A run rewrites it every 50 steps, ~25 s on that model."""
+    rewrote its 617 MB file into fresh pages: 1.3 s, against 0.06 s right after
+    (``bench.snapshot_file``). Paired, an arm's snapshots still come ~51 s apart (its chunk and
+    the plain loop's), twice a run's ~25 s: rewritten every 50 s the file cost 162 ms (median of
+    6, up to 542), every 25 s 72 ms (median of 10). So the pairs still charge a trainer arm more
+    for its snapshots than a run pays, never less."""
     _check_settle(chunk, settle)
     names = arms or [*ARMS, *TIMED_ONLY]
     rounds = -(-steps // (chunk - settle))
