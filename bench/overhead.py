@@ -13,8 +13,8 @@ the same initial weights, the same batches in the same order and the same seed.
   lives in this process, above it each arm in a process of its own, stepped only when told
   (:class:`ProcessArm`: all arms of such a model in one process would hold too much memory at
   once), and timed beside the plain loop alone, one pair after another (``in_pairs`` of
-  :func:`time_interleaved`: so that no arm idles longer between its chunks than a run between
-  its snapshots). On CUDA a chunk is timed as a whole between two
+  :func:`time_interleaved`: an arm idles one chunk between its chunks, not one per other arm,
+  which let this machine page out its snapshot file). On CUDA a chunk is timed as a whole between two
   synchronisations (each of its steps gets the chunk's mean), so the trainer's own waits on the
   device are in its time. Per arm the median over chunks (``--chunk`` steps, by default
   ``PERIOD``: one good-state period) of the chunk's mean step time, after ``--warmup`` untimed
@@ -979,8 +979,8 @@ def _pairs_said(results: dict[str, Any]) -> str:
     if not paired:
         return ""
     return (f"; {', '.join(paired)}: each arm timed beside the plain loop alone, one pair after another, and "
-            "taken against the plain loop's chunks of its own rounds, so that no arm waits longer between its "
-            "chunks than a run waits between its snapshots")
+            "taken against the plain loop's chunks of its own rounds, so that an arm idles one chunk between its "
+            "chunks, not one per other arm (its snapshots still come twice as far apart as in a run)")
 
 
 def _chunks_said(results: dict[str, Any]) -> str:
