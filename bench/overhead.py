@@ -1,6 +1,7 @@
 """What does the trainer cost next to a plain loop, in time and in peak memory?
 
-    python -m bench.overhead [--models tiny mlp-1ms fashion charlm mlp-50m] [--device cpu|cuda] [--quick] [--memory-only]
+    python -m bench.overhead [--models tiny mlp-1ms fashion charlm mlp-50m] [--device cpu|cuda] [--quick]
+                             [--memory-only | --arms ARM [ARM ...]]
 
 Every model is trained by the plain loop (``zero_grad``, ``loss.backward()``, ``optimizer.step()``:
 no read of the loss) and by ``HybridTrainer`` in four configurations (``predict=False``, the
@@ -60,7 +61,11 @@ the same initial weights, the same batches in the same order and the same seed.
   is at least ``RSS_RESOLVES_BYTES``, the tensor one below.
 
 ``--memory-only`` re-measures memory and keeps each model's time figures from the existing
-results file (the report says which run they came from).
+results file (the report says which run they came from). ``--arms A [B ...]`` times only those
+arms beside the plain loop (more rounds of one arm, say) and keeps the model's other arms, its
+memory figures, breakdown and exploration from the existing results file: each kept arm is
+still taken against the plain loop of its own run's rounds (``plain_chunk_means_us``), and the
+report names the run every kept figure came from.
 
 Writes ``<out>/overhead.{json,md}`` (``overhead_quick`` with ``--quick``; ``_cuda`` on CUDA),
 each recording the git commit and whether the tree was dirty.
@@ -873,9 +878,10 @@ def compare(plain: dict, arm: dict) -> dict[str, Any]:
         out["time_ratio"] = (p[key] + out["overhead_us"]) / p[key]
         if paired:
             out["overhead_pairs"], out["overhead_ci95_us"] = paired["pairs"], paired["ci95_us"]
-        if a["real_median_us"] is not None:
-            out["real_step_ratio"] = a["real_median_us"] / p["median_us"]
-            out["real_step_overhead_us"] = a["real_median_us"] - p["median_us"]
+        if a["real_median_us"] is not None:  # against the plain loop of the arm's own run (--arms keeps arms)
+            plain_median = a.get("plain_median_us", p["median_us"])
+            out["real_step_ratio"] = a["real_median_us"] / plain_median
+            out["real_step_overhead_us"] = a["real_median_us"] - plain_median
     if plain.get("memory") and arm.get("memory"):
         p, a = plain["memory"]["training_bytes"], arm["memory"]["training_bytes"]
         out["rss_ratio"] = a / p if p > 0 else None
@@ -967,6 +973,50 @@ def goal_lines(results: dict[str, Any]) -> list[str]:
     return out
 
 
+def keep_untimed_arms(old: dict[str, Any], entry: dict[str, Any], timed: list[str]) -> None:
+    """``--arms``: fill ``entry`` (a model's results from this run, holding the time figures of
+    the arms it timed, ``timed``) from ``old`` (the model's entry in the existing results file):
+    the time figures of every other arm, each with the chunk means and median of the plain loop
+    of the run that timed it (``plain_chunk_means_us``, ``plain_median_us``: it is taken against
+    that loop's rounds, not this run's) and that run (``time_run``); and the model's memory
+    figures, breakdown and exploration, with the run that measured them (``memory_run``)."""
+    old_plain = old["arms"]["plain"]["time"]
+    for arm, figures in old["arms"].items():
+        if arm != "plain" and arm not in timed and figures.get("time"):
+            kept = dict(figures["time"])
+            kept.setdefault("plain_chunk_means_us", old_plain["chunk_means_us"])
+            kept.setdefault("plain_median_us", old_plain["median_us"])
+            kept.setdefault("time_run", old.get("time_run") or old["run"])
+            entry["arms"].setdefault(arm, {})["time"] = kept
+        for key in ("memory", "tensors"):
+            if figures.get(key):
+                entry["arms"].setdefault(arm, {})[key] = figures[key]
+    for key in ("breakdown", "exploration"):
+        if old.get(key):
+            entry[key] = old[key]
+    entry["memory_run"] = old.get("memory_run") or old["run"]
+    entry["arms"] = {arm: entry["arms"][arm] for arm in [*old["arms"], *entry["arms"]]}  # the table's order as before
+
+
+def _kept_said(results: dict[str, Any]) -> list[str]:
+    """Where figures kept by ``--arms`` came from, model by model, for the markdown."""
+    lines = []
+    for model, r in results["models"].items():
+        if not r.get("memory_run"):
+            continue
+        said = lambda run: f"`{run['command']}` at {run['date']}, commit {(run['git']['commit'] or '?')[:10]}"  # noqa: E731
+        kept: dict[str, list[str]] = {}  # run -> the arms it timed
+        for arm, a in r["arms"].items():
+            if (a.get("time") or {}).get("time_run"):
+                kept.setdefault(said(a["time"]["time_run"]), []).append(arm)
+        timed = [arm for arm, a in r["arms"].items() if a.get("time") and not a["time"].get("time_run")]
+        lines.append(f"{model}: this run timed {', '.join(timed)}; memory figures, breakdown and exploration from "
+                     f"{said(r['memory_run'])}"
+                     + "".join(f"; {', '.join(arms)}: timed by {run}, each against that run's plain loop"
+                               for run, arms in kept.items()) + ".")
+    return lines + [""] if lines else []
+
+
 def _mb(n: float | None) -> str:
     return "–" if n is None else f"{n / 1e6:.1f}"
 
@@ -1025,6 +1075,7 @@ def markdown(results: dict[str, Any]) -> str:
         lines[1:1] = ["Runs: " + "; ".join(f"{m}: `{r['run']['command']}` at {r['run']['date']}, commit "
                                            f"{(r['run']['git']['commit'] or '?')[:10]}"
                                            for m, r in results["models"].items() if "run" in r), ""]
+    lines[1:1] = _kept_said(results)
     timed_elsewhere = {m: r["time_run"] for m, r in results["models"].items() if r.get("time_run")}
     if timed_elsewhere:
         per_step = [m for m in timed_elsewhere
@@ -1097,6 +1148,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-only", action="store_true",
                         help="measure memory only; the in-process time figures (and breakdown) of each model are kept "
                              "from the existing results file, which records the run they came from")
+    timeable = [a for a in [*ARMS, *TIMED_ONLY] if a != "plain"]
+    parser.add_argument("--arms", nargs="+", default=None, metavar="ARM",
+                        help="time only these arms beside the plain loop and keep the model's other figures (other "
+                             f"arms' times, memory, breakdown, exploration) from the existing results file; of {timeable}")
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "ARM"), help=argparse.SUPPRESS)
     parser.add_argument("--child-measure", default="rss", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -1133,6 +1188,14 @@ def main(argv: list[str] | None = None) -> int:
     untimed = [m for m in models if m not in previous]
     if args.memory_only and untimed:
         parser.error(f"--memory-only keeps the time figures of {existing}, which lacks {untimed}")
+    if args.arms is not None:
+        unknown = [a for a in args.arms if a not in timeable]
+        if unknown:
+            parser.error(f"--arms: unknown arm(s) {unknown}; of {timeable}")
+        if args.memory_only:
+            parser.error("--arms times arms and keeps the memory figures; --memory-only does the opposite")
+        if untimed:
+            parser.error(f"--arms keeps the other figures of {existing}, which lacks {untimed}")
     for name in models:
         workload = make_workload(name, args.batches if args.batches_given else MODEL_BATCHES.get(name, args.batches),
                                  device)
@@ -1161,15 +1224,21 @@ def main(argv: list[str] | None = None) -> int:
                 steps = args.steps if args.steps is not None else (
                     default_steps if args.quick else MODEL_STEPS.get(name, default_steps))
                 arm_warmup = warmup
-            pairs = len(ARMS) + len(TIMED_ONLY) - 1 if big else 1
+            names = None if args.arms is None else ["plain", *args.arms]
+            pairs = (len(ARMS) + len(TIMED_ONLY) if names is None else len(names)) - 1 if big else 1
             with tqdm(total=pairs * -(-steps // (chunk - settle)), desc=f"{name}: time", leave=False) as bar:
-                for arm, t in time_interleaved(workload, device, arm_warmup, steps, chunk, bar, separate=big,
-                                               settle=settle, until_off_max=explore_steps, in_pairs=big).items():
-                    entry["arms"].setdefault(arm, {})["time"] = t
+                timed = time_interleaved(workload, device, arm_warmup, steps, chunk, bar, separate=big, arms=names,
+                                         settle=settle, until_off_max=explore_steps, in_pairs=big)
+            for arm, t in timed.items():
+                if names is not None and arm != "plain":  # beside kept arms, each against its own run's plain loop
+                    t.setdefault("plain_chunk_means_us", timed["plain"]["chunk_means_us"])
+                entry["arms"].setdefault(arm, {})["time"] = t
+            if names is not None:
+                keep_untimed_arms(previous[name], entry, args.arms)
             parts_steps = args.breakdown_steps if args.breakdown_steps is not None else (10 if args.quick else 300)
-            if parts_steps and not big:
+            if parts_steps and not big and names is None:
                 entry["breakdown"] = breakdown(workload, "predict=False", device, warmup, parts_steps)
-        if not args.memory_only and explore_steps:
+        if not args.memory_only and args.arms is None and explore_steps:
             with tqdm(total=-(-explore_steps // chunk), desc=f"{name}: until prediction is off", leave=False) as bar:
                 entry["exploration"] = exploration(workload, device, explore_steps, chunk, bar, separate=big,
                                                    settle=settle)
@@ -1177,7 +1246,7 @@ def main(argv: list[str] | None = None) -> int:
         del workload
         gc.collect()
         big_memory_steps = min(memory_steps, 60) if big else memory_steps
-        for arm in tqdm(ARMS, desc=f"{name}: memory", leave=False):
+        for arm in tqdm(ARMS if args.arms is None else [], desc=f"{name}: memory", leave=False):
             entry["arms"][arm]["memory"] = run_memory_child(name, arm, args.device, big_memory_steps, n_batches)
             if device.type == "cpu":  # on CUDA the allocator's own peak is exact already
                 entry["arms"][arm]["tensors"] = run_memory_child(name, arm, args.device, big_memory_steps, n_batches,

@@ -179,6 +179,41 @@ def test_quick_run_reports_every_arm_with_ratios_from_its_measurements(tmp_path)
     assert again["arms"]["plain"]["memory"]["training_bytes"] > 0
 
 
+def test_arms_times_only_the_named_arms_and_keeps_the_rest_against_their_own_plain_loop(tmp_path):
+    common = ["--quick", "--models", "tiny", "--warmup", "3", "--chunk", "5", "--memory-steps", "25",
+              "--explore-steps", "10", "--breakdown-steps", "5", "--out", str(tmp_path)]
+    assert overhead.main([*common, "--steps", "10"]) == 0
+    before = json.loads((tmp_path / "overhead_quick.json").read_text())["models"]["tiny"]
+    assert overhead.main([*common, "--steps", "15", "--arms", "predict=False", overhead.LEAN_PLAIN]) == 0
+    after = json.loads((tmp_path / "overhead_quick.json").read_text())["models"]["tiny"]
+    arms = after["arms"]
+    assert list(arms) == list(before["arms"])
+    for name in ("plain", "predict=False", overhead.LEAN_PLAIN):  # timed again, over 3 chunks now
+        assert arms[name]["time"]["steps"] == 15 and "time_run" not in arms[name]["time"]
+    assert arms["predict=False"]["time"]["plain_chunk_means_us"] == arms["plain"]["time"]["chunk_means_us"]
+    old_plain = before["arms"]["plain"]["time"]
+    for name in ("default", "weight_average", overhead.GUARD_FLOOR):  # kept, with the plain loop of their run
+        kept = arms[name]["time"]
+        assert kept["chunk_means_us"] == before["arms"][name]["time"]["chunk_means_us"]
+        assert kept["plain_chunk_means_us"] == old_plain["chunk_means_us"] and kept["time_run"] == before["run"]
+        assert arms[name]["vs_plain"]["overhead_us"] == pytest.approx(before["arms"][name]["vs_plain"]["overhead_us"])
+        assert arms[name]["vs_plain"]["real_step_overhead_us"] == pytest.approx(
+            before["arms"][name]["vs_plain"]["real_step_overhead_us"])
+    # The re-timed arm over this run's plain loop; the memory figures, breakdown and exploration kept.
+    differences = [x - y for x, y in zip(arms["predict=False"]["time"]["chunk_means_us"],
+                                         arms["plain"]["time"]["chunk_means_us"])]
+    assert arms["predict=False"]["vs_plain"]["overhead_us"] == pytest.approx(sorted(differences)[1])
+    for name in overhead.ARMS:
+        assert arms[name]["memory"] == before["arms"][name]["memory"]
+    assert after["breakdown"] == before["breakdown"] and after["exploration"] == before["exploration"]
+    assert after["memory_run"] == before["run"] and after["run"]["command"].endswith(overhead.LEAN_PLAIN)
+    table = (tmp_path / "overhead_quick.md").read_text()
+    assert "tiny: this run timed plain, predict=False, plain, no profiler scopes; memory figures" in table
+    assert "; default, weight_average, predict=False, read_every=16, plain + norm and read (guard floor): timed by `python -m bench.overhead" in table
+    with pytest.raises(SystemExit):
+        overhead.main([*common, "--arms", "predict=True"])  # no such arm: argparse names --arms
+
+
 def test_the_arms_with_prediction_are_timed_once_it_is_off():
     """The table times the default config as it runs after its worth gate decided; the steps
     before are exploration()'s. On the tiny model the gate switches prediction off from step 80."""
