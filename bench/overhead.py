@@ -1164,7 +1164,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if os.environ.get("TRITON_INTERPRET") == "1" and device.type == "cpu":
         os.environ.pop("TRITON_INTERPRET")  # children get the eager kernels; interpreted ones would distort time
-    os.environ.setdefault("HYBRID_KERNELS_BACKEND", "eager")
+    # A CPU times the eager path, the CPU product (the Triton interpreter is a test tool); a GPU
+    # the kernels a user gets there ("auto": Triton for CUDA tensors). Children inherit it.
+    os.environ.setdefault("HYBRID_KERNELS_BACKEND", "eager" if device.type == "cpu" else "auto")
     from tqdm import tqdm
 
     torch.set_num_threads(1)

@@ -51,8 +51,24 @@ def test_rewritten_results_do_not_make_the_tree_dirty(repo):
     assert protocol.git_state.__wrapped__(repo) == (_git(repo, "rev-parse", "HEAD"), False)
 
 
-def test_outside_a_checkout_commit_and_dirtiness_are_unknown(tmp_path):
+def test_outside_a_checkout_commit_and_dirtiness_are_unknown(tmp_path, monkeypatch):
+    monkeypatch.delenv(protocol.COPIED_FROM_ENV, raising=False)
     assert protocol.git_state.__wrapped__(tmp_path) == (None, None)
+
+
+def test_a_copy_without_git_records_the_commit_it_was_copied_from(tmp_path, monkeypatch):
+    monkeypatch.setenv(protocol.COPIED_FROM_ENV, "ab" * 20)
+    monkeypatch.setenv(protocol.COPIED_DIRTY_ENV, "0")
+    assert protocol.git_state.__wrapped__(tmp_path) == ("ab" * 20, False)
+    monkeypatch.setenv(protocol.COPIED_DIRTY_ENV, "1")
+    assert protocol.git_state.__wrapped__(tmp_path) == ("ab" * 20, True)
+    monkeypatch.delenv(protocol.COPIED_DIRTY_ENV)
+    assert protocol.git_state.__wrapped__(tmp_path) == ("ab" * 20, None)
+
+
+def test_a_real_checkout_ignores_the_copy_variables(repo, monkeypatch):
+    monkeypatch.setenv(protocol.COPIED_FROM_ENV, "ab" * 20)
+    assert protocol.git_state.__wrapped__(repo) == (_git(repo, "rev-parse", "HEAD"), False)
 
 
 def test_run_metadata_of_this_checkout():
