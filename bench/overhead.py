@@ -145,6 +145,9 @@ MODEL_BATCHES = {"fashion": 468}
 # The CPU time goals of the trainer with predict=False: a fixed cost per step of at
 # most GOAL_FIXED_US, and at most GOAL_RATIO of the plain step where it takes GOAL_LONG_STEP_US or more.
 GOAL_FIXED_US, GOAL_RATIO, GOAL_LONG_STEP_US = 50.0, 1.02, 5000.0
+# On a GPU: predict=False at least GOAL_GPU_SPEED times the plain loop's speed (steps per second),
+# i.e. an overhead of at most 1 / GOAL_GPU_SPEED - 1 of the plain step (3.1%), whatever its length.
+GOAL_GPU_SPEED = 0.97
 # A refused step skips the update and a rollback discards steps: above this share of its timed
 # steps refused, the arm's time is not the guard's steady cost and no verdict is drawn from it
 # (Fashion-MNIST's 64 batches cycled 300 times: 2,216 refusals in 19,200 steps).
@@ -908,10 +911,11 @@ def goal_verdict(overhead: float, interval: list[float] | None, goal: float) -> 
     return "NOT met" if interval[0] > goal else "not resolved (its 95% interval spans the goal)"
 
 
-def time_goal(entry: dict[str, Any]) -> dict[str, Any] | None:
-    """A model's CPU time goal for ``predict=False`` (``goal``, its text), the verdict
-    (:func:`goal_verdict`) and the 95% interval as text (``shown``), from its results entry;
-    None where the arm or the plain loop was not timed."""
+def time_goal(entry: dict[str, Any], device: str = "cpu") -> dict[str, Any] | None:
+    """A model's time goal for ``predict=False`` on ``device`` (``goal``, its text: the CPU's
+    fixed or relative cost, a GPU's speed ratio), the verdict (:func:`goal_verdict`) and the 95%
+    interval as text (``shown``), from its results entry; None where the arm or the plain loop
+    was not timed."""
     plain, c = (entry["arms"].get("plain") or {}).get("time"), (entry["arms"].get("predict=False") or {}).get("vs_plain", {})
     if not plain or "overhead_us" not in c:
         return None
@@ -921,6 +925,10 @@ def time_goal(entry: dict[str, Any]) -> dict[str, Any] | None:
     refused = (timed.get("refusals") or {}).get("skipped_steps", 0)
     unsteady = (f"not resolved (the guard refused {refused} of its {timed['steps']} timed steps)"
                 if refused and refused > REFUSED_SHARE_LIMIT * timed["steps"] else None)
+    if device.startswith("cuda"):
+        shown = "" if interval is None else f", 95% interval {100 * interval[0] / step:+.1f}…{100 * interval[1] / step:+.1f}%"
+        return dict(goal=f"≥ {GOAL_GPU_SPEED:.2f}× the plain loop's speed", step_us=step, shown=shown,
+                    verdict=unsteady or goal_verdict(c["overhead_us"], interval, (1 / GOAL_GPU_SPEED - 1) * step))
     if step >= GOAL_LONG_STEP_US:
         shown = "" if interval is None else f", 95% interval {100 * interval[0] / step:+.1f}…{100 * interval[1] / step:+.1f}%"
         return dict(goal=f"≤ {100 * (GOAL_RATIO - 1):.0f}%", step_us=step, shown=shown,
@@ -941,9 +949,14 @@ def over_lean_calls(arms: dict[str, Any]) -> tuple[float, dict[str, Any] | None]
 
 
 def goal_lines(results: dict[str, Any]) -> list[str]:
-    """The CPU time goals, model by model, from the ``predict=False`` arm and the guard floor."""
-    out = [f"Time goals (`predict=False` over the plain loop): at most {GOAL_FIXED_US:.0f} µs per step, and at most "
-           f"{100 * (GOAL_RATIO - 1):.0f}% where the plain step takes {GOAL_LONG_STEP_US / 1000:.0f} ms or more; the "
+    """The time goals of ``results``' device, model by model, from the ``predict=False`` arm and the guard floor."""
+    device = results.get("device", "cpu")
+    goals = (f"at least {GOAL_GPU_SPEED:.2f}× the plain loop's speed (an overhead of at most "
+             f"{100 * (1 / GOAL_GPU_SPEED - 1):.1f}% of its step)" if device.startswith("cuda") else
+             f"at most {GOAL_FIXED_US:.0f} µs per step, and at most {100 * (GOAL_RATIO - 1):.0f}% where the plain step "
+             f"takes {GOAL_LONG_STEP_US / 1000:.0f} ms or more")
+    out = [f"Time goals (`predict=False` over the plain loop, {'a GPU' if device.startswith('cuda') else 'a CPU'}): "
+           f"{goals}; the "
            "overhead is the median of the round-by-round differences of chunk means, with its 95% interval "
            "(distribution-free, the sign test's) where the run has one; the guard floor (the plain loop plus the "
            "gradient norm and its read, the least a per-step NaN guard does) beside it, and the overhead over the "
@@ -951,7 +964,7 @@ def goal_lines(results: dict[str, Any]) -> list[str]:
            "profiler scope; `hybrid_trainer.optimizer_call`), which is what the trainer costs beyond what it saves "
            "there:", ""]
     for model, r in results["models"].items():
-        goal = time_goal(r)
+        goal = time_goal(r, device)
         if goal is None:
             continue
         c, step = r["arms"]["predict=False"]["vs_plain"], goal["step_us"]
@@ -1046,6 +1059,13 @@ def _chunks_said(results: dict[str, Any]) -> str:
     return f"{common} timed steps" + (f" ({'; '.join(others)})" if others else "")
 
 
+_CUDA_MEMORY_SAID = ("Memory, each arm in a fresh process: the peak of the device's caching allocator "
+                     "(`torch.cuda.max_memory_allocated`) above its level after data loading, so what the trainer "
+                     "keeps in host memory (its good-state snapshot, pinned) is not in it; the last column counts "
+                     "the trainer's tensors wherever they live. The RSS columns hold the device figure; no tensor "
+                     "peak on CUDA (the allocator's peak is exact). Ratios = trainer / plain.")
+
+
 def markdown(results: dict[str, Any]) -> str:
     runs = {json.dumps(r["run"], sort_keys=True) for r in results["models"].values() if "run" in r}
     if len(runs) > 1:  # merged from several invocations: say which model came from which
@@ -1061,14 +1081,16 @@ def markdown(results: dict[str, Any]) -> str:
              "arms interleaved chunk by chunk, in one process (models ≤ 5M parameters) or each in a "
              "process of its own (larger; the first step of each chunk untimed, as it pays for the switch of "
              f"arms{_pairs_said(results)}); arms with prediction timed once it is off; ratio = (plain step + overhead) / plain step. Real steps: the trainer's non-predicted "
-             "steps. Memory, each arm in fresh processes: peak RSS above the baseline after data loading (what a "
+             "steps. " + (_CUDA_MEMORY_SAID if str(results.get("device", "cpu")).startswith("cuda") else
+             "Memory, each arm in fresh processes: peak RSS above the baseline after data loading (what a "
              "user meets: tensors, Python objects, allocator slack), and the exact peak of live tensor bytes "
              "(every allocation and free of torch's CPU allocator, summed in time order from before the model is "
              "built: weights, gradients, optimizer state, activations and whatever the trainer adds); ratios = "
              "trainer / plain. The memory ratio is the RSS one where the plain loop's peak RSS is at least "
              f"{RSS_RESOLVES_BYTES / 1e6:.0f} MB, the tensor one below (basis R or T): one arm's peak RSS moves "
-             "by several MB between runs, more than the 3% the goal allows of a smaller peak.", "",
-             "| model | params | arm | step (µs) | overhead (µs) [95% interval] | ratio | real-step ratio | peak RSS (MB) | "
+             "by several MB between runs, more than the 3% the goal allows of a smaller peak."), "",
+             "| model | params | arm | step (µs) | overhead (µs) [95% interval] | ratio | real-step ratio | "
+             f"{'peak device memory' if str(results.get('device', 'cpu')).startswith('cuda') else 'peak RSS'} (MB) | "
              "RSS ratio | tensor peak (MB) | tensor ratio | memory ratio (basis) | extra (MB) | trainer tensors (MB) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     if len(runs) > 1:

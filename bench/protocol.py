@@ -42,8 +42,9 @@ HYBRID_STEP_FACTOR = 1.5
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Where results are written; a change there does not make the code that wrote them differ from its commit.
 RESULT_DIRS = ("docs/results", "experiments/results")
-# A copy of a checkout without .git (a lent GPU machine's): the commit it was copied from, and
-# whether that tree had uncommitted changes ("0" or "1"), set by whoever made the copy.
+# A copied tree (a lent GPU machine's, whose .git is the one copied at the session's start): the
+# commit it was copied from, and whether that tree had uncommitted changes ("0" or "1"), set by
+# whoever made the copy.
 COPIED_FROM_ENV, COPIED_DIRTY_ENV = "HYBRID_BENCH_GIT_COMMIT", "HYBRID_BENCH_GIT_DIRTY"
 
 
@@ -51,10 +52,12 @@ COPIED_FROM_ENV, COPIED_DIRTY_ENV = "HYBRID_BENCH_GIT_COMMIT", "HYBRID_BENCH_GIT
 def git_state(root: Path = REPO_ROOT) -> tuple[str | None, bool | None]:
     """``(commit, dirty)`` of the repository at ``root``: the full hash of ``HEAD``, and whether any
     file outside the result folders (:data:`RESULT_DIRS`) differs from it or is new and not ignored.
-    ``(None, None)`` outside a git checkout (an installed copy) or without git, unless
-    :data:`COPIED_FROM_ENV` names the commit the tree was copied from: a lent GPU machine gets the
-    tracked files without ``.git``, and the command that copies them sets it (with
-    :data:`COPIED_DIRTY_ENV` ``0`` or ``1``, the tree's state where it was copied from).
+    ``(None, None)`` outside a git checkout (an installed copy) or without git.
+
+    :data:`COPIED_FROM_ENV`, when set, is the commit the tree was copied from and wins over what
+    git says there (dirtiness from :data:`COPIED_DIRTY_ENV`, ``0`` or ``1``, else unknown): a lent
+    GPU machine gets the working tree as it is, but a ``.git`` copied when the session began, so its
+    git named the session's first commit and the later commits' changes as uncommitted.
 
     Read once per process and cached, so a run that writes results and then records metadata
     again still reports the tree it started from."""
@@ -62,15 +65,14 @@ def git_state(root: Path = REPO_ROOT) -> tuple[str | None, bool | None]:
         return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=True,
                               timeout=30).stdout
 
+    copied = os.environ.get(COPIED_FROM_ENV, "").strip()
+    if copied:
+        return copied, {"0": False, "1": True}.get(os.environ.get(COPIED_DIRTY_ENV, "").strip())
     try:
         commit = git("rev-parse", "HEAD").strip()
         status = git("status", "--porcelain", "--", ".", *(f":(exclude){d}" for d in RESULT_DIRS))
     except (OSError, subprocess.SubprocessError):
-        copied = os.environ.get(COPIED_FROM_ENV, "").strip()
-        if not copied:
-            return None, None
-        dirty = os.environ.get(COPIED_DIRTY_ENV, "").strip()
-        return copied, {"0": False, "1": True}.get(dirty)
+        return None, None
     return commit, bool(status.strip())
 
 

@@ -75,6 +75,30 @@ def test_the_goal_lines_give_the_overhead_over_the_plain_loop_and_over_its_lean_
     assert "goal ≤ 50 µs: not resolved (the guard refused 11 of its 1000 timed steps)" in line
 
 
+def test_on_a_gpu_the_goal_is_the_speed_ratio_whatever_the_step():
+    """A GPU's goal is predict=False at >= 0.97x the plain loop's speed: an overhead of at most
+    3.09% of the plain step, judged on its interval (a 1 ms step's 40 µs would meet the CPU's 50 µs)."""
+    plain_means = [1000.0 + 40 * (i % 4) for i in range(20)]
+    plain = {"time": {"chunk_median_us": 1040.0, "chunk_means_us": plain_means, "median_us": 1000.0,
+                      "real_median_us": 1000.0}}
+
+    def entry(offsets):
+        means = [x + d for x, d in zip(plain_means, offsets)]
+        arm = {"time": {"chunk_median_us": sorted(means)[10], "chunk_means_us": means, "median_us": means[0],
+                        "real_median_us": None}}
+        arm["vs_plain"] = overhead.compare(plain, arm)
+        return {"arms": {"plain": plain, "predict=False": arm}}
+
+    line = overhead.goal_lines({"device": "cuda", "models": {"m": entry([30.0 + i for i in range(20)])}})[-1]
+    assert "goal ≥ 0.97× the plain loop's speed: NOT met" in line  # +35…+44 µs of 1040 is over 3.09% (32 µs)
+    assert "goal ≤ 50 µs: met" in overhead.goal_lines({"models": {"m": entry([30.0 + i for i in range(20)])}})[-1]
+    line = overhead.goal_lines({"device": "cuda", "models": {"m": entry([10.0 + i for i in range(20)])}})[-1]
+    assert "goal ≥ 0.97× the plain loop's speed: met" in line  # +15…+24 µs
+    line = overhead.goal_lines({"device": "cuda", "models": {"m": entry([20.0 + i for i in range(20)])}})[-1]
+    assert "goal ≥ 0.97× the plain loop's speed: not resolved" in line  # +25…+34 µs spans 32
+    assert "a GPU): at least 0.97× the plain loop's speed" in overhead.goal_lines({"device": "cuda", "models": {}})[0]
+
+
 def test_tensor_peak_is_exact_on_a_known_sequence_of_allocations():
     keep = torch.empty(250_000)  # allocated before: not in the peak, and its free is not reported
     with overhead.TensorPeak() as peak:

@@ -56,7 +56,7 @@ def test_outside_a_checkout_commit_and_dirtiness_are_unknown(tmp_path, monkeypat
     assert protocol.git_state.__wrapped__(tmp_path) == (None, None)
 
 
-def test_a_copy_without_git_records_the_commit_it_was_copied_from(tmp_path, monkeypatch):
+def test_a_copied_tree_records_the_commit_it_was_copied_from(tmp_path, monkeypatch):
     monkeypatch.setenv(protocol.COPIED_FROM_ENV, "ab" * 20)
     monkeypatch.setenv(protocol.COPIED_DIRTY_ENV, "0")
     assert protocol.git_state.__wrapped__(tmp_path) == ("ab" * 20, False)
@@ -66,9 +66,12 @@ def test_a_copy_without_git_records_the_commit_it_was_copied_from(tmp_path, monk
     assert protocol.git_state.__wrapped__(tmp_path) == ("ab" * 20, None)
 
 
-def test_a_real_checkout_ignores_the_copy_variables(repo, monkeypatch):
+def test_the_copied_commit_wins_over_a_stale_git_beside_the_tree(repo, monkeypatch):
+    """The lent machine's .git was the session's first commit; its tree a later one's."""
+    (repo / "code.py").write_text("x = 2\n")  # a later commit's change reads as uncommitted there
     monkeypatch.setenv(protocol.COPIED_FROM_ENV, "ab" * 20)
-    assert protocol.git_state.__wrapped__(repo) == (_git(repo, "rev-parse", "HEAD"), False)
+    monkeypatch.setenv(protocol.COPIED_DIRTY_ENV, "0")
+    assert protocol.git_state.__wrapped__(repo) == ("ab" * 20, False)
 
 
 def test_run_metadata_of_this_checkout():
