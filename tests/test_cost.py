@@ -48,10 +48,12 @@ def test_partial_calibration_counts_only_finished_parts():
 
 
 @pytest.mark.slow
-def test_cost_gate_switches_off_machinery_that_costs_more_than_the_step():
-    """A tiny MLP with an oversized dynamics model: whatever a predicted step is worth, the
-    encoder and dynamics model cost more than it saves. Cost-aware, prediction switches off;
-    with the gate at min_predicted_worth alone, the same run keeps predicting."""
+def test_cost_gate_switches_off_machinery_that_costs_more_than_the_step(eager_backend):
+    """A tiny MLP on digits, whose step costs about what the recording machinery costs (~1x on
+    the eager path, the CPU product; the Triton interpreter made it ~12x here, and a GPU machine's
+    eager run measured 1.4x): at a frequency of 1.25 real steps per predicted one, no predicted
+    step can pay for it. Cost-aware, prediction switches off for that reason; with the gate at
+    min_predicted_worth alone, the same run keeps predicting."""
     x, y = digits_tensors()
     stream = batches(x, y, 64, 100)
     settings = dict(warmup_steps=8, full_steps=8, correct_steps=3, predict_lengths=(4,), verify_every=4,
@@ -66,8 +68,9 @@ def test_cost_gate_switches_off_machinery_that_costs_more_than_the_step():
             trainer.step(b)
         stats[aware] = trainer.statistics()
     aware, unaware = stats[True], stats[False]
-    assert aware["prediction_overhead"] > 2.0, aware  # the dynamics model dwarfs a digits step
-    assert aware["required_worth"] > 1.0
+    assert aware["prediction_overhead"] > 0.5, aware  # recording alone: half a step or more on any machine
+    per_predicted = real_steps_per_predicted(HybridConfig(**settings))
+    assert aware["required_worth"] == pytest.approx(-1.0 + per_predicted * aware["prediction_overhead"])
     assert not aware["prediction_enabled"] and "costs" in aware["prediction_disabled_reason"], aware
     assert unaware["required_worth"] == -1.0 and unaware["prediction_overhead"] is None
     assert unaware["predicted_steps"] > aware["predicted_steps"]

@@ -168,7 +168,10 @@ def test_on_a_cpu_a_deferred_step_reads_as_the_per_step_guard_does():
     with counter:
         result = trainer.step(batches[done])
     reads = {who: n for who, n in counter.read_backs.items() if who != "optimizer"}
-    assert reads == {"step_guard.py:read_step_values": 1, "step_guard.py:<listcomp>": len(trainer.params)}
+    # The loss, then one norm per gradient read in a list comprehension: its own frame up to
+    # Python 3.11, inlined into read_step_values from 3.12 (PEP 709).
+    assert set(reads) <= {"step_guard.py:read_step_values", "step_guard.py:<listcomp>"}, reads
+    assert sum(reads.values()) == 1 + len(trainer.params), reads
     assert result.loss is not None and result.grad_norm > 0 and not result.settled
 
 

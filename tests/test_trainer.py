@@ -669,10 +669,12 @@ def test_a_queueing_device_gets_one_host_read_per_real_step(stream, monkeypatch)
 def test_fused_optimizer_steps_before_the_read_and_refuses_exactly_as_the_plain_guard(stream, device):
     """With a fused optimizer the guard launches the update with a device-side skip before it
     reads (on a GPU the host then checks while the device updates). Through a NaN step and a
-    loss spike, weights, optimizer state and reports equal the read-first guard's bit for bit."""
+    loss spike, weights, optimizer state and reports equal the read-first guard's bit for bit.
+    A per-step read (``read_every=1``) is the path under test: a GPU's default reads a block of
+    16 steps at once (tests/test_deferred_checks.py), which never calls ``step_then_read``."""
     def run(overlap: bool):
         trainer = make_trainer(opt="adamw-fused", device=device, predict=False, good_state_every=5,
-                               divergence={"min_history": 5})
+                               divergence={"min_history": 5}, read_every=1)
         assert trainer.guard.overlap == (device == "cuda")  # a CPU read waits for nothing: no overlap there
         trainer.guard.overlap = overlap  # the CPU runs the overlapped logic too, to check it
         calls = {"n": 0, "overlapped": 0}
