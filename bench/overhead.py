@@ -633,8 +633,16 @@ def exploration_lines(results: dict[str, Any]) -> list[str]:
 
 
 # ============================================================================== breakdown ====
-BREAKDOWN_PARTS = {  # label: (object path from the trainer, method)
+BREAKDOWN_PARTS = {  # label: (object path from the trainer, "" for the trainer itself; method)
     "gradient norm and read (guard)": ("guard", "read_step_values"),
+    # read_every > 1 (a GPU's default): the parts of the deferred path, which the per-step
+    # parts above do not see; a part an arm never reaches (guard.deferred is None with
+    # read_every=1) is left out. The launches include the optimizer step they make.
+    "gradient norm on the device (deferred)": ("guard", "grad_norm"),
+    "checks queued + update (deferred, device-side skip)": ("guard.deferred", "launch"),
+    "checks read + update (deferred)": ("guard.deferred", "launch_read"),
+    "block read and judgment (deferred)": ("guard.deferred", "settle"),
+    "end of step: counters, events, metrics": ("", "_end_step"),
     "divergence check (guard)": ("guard", "check"),
     "accept: monitor + good state (guard)": ("guard", "accept"),
     "good-state snapshot (inside accept)": ("guard.good_state", "save"),
@@ -665,9 +673,10 @@ def breakdown(workload: Workload, arm: str, device: torch.device, warmup: int, s
     trainer.optimizer.step = timed("optimizer step", trainer.optimizer.step)
     for label, (path, method) in BREAKDOWN_PARTS.items():
         owner = trainer
-        for name in path.split("."):
-            owner = getattr(owner, name)
-        setattr(owner, method, timed(label, getattr(owner, method)))
+        for name in filter(None, path.split(".")):
+            owner = getattr(owner, name, None)
+        if owner is not None:
+            setattr(owner, method, timed(label, getattr(owner, method)))
     backward = torch.Tensor.backward
     torch.Tensor.backward = timed("backward", backward)
     try:

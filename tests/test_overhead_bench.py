@@ -99,6 +99,20 @@ def test_on_a_gpu_the_goal_is_the_speed_ratio_whatever_the_step():
     assert "a GPU): at least 0.97× the plain loop's speed" in overhead.goal_lines({"device": "cuda", "models": {}})[0]
 
 
+def test_breakdown_of_a_deferred_arm_times_its_launch_and_block_reads():
+    """With read_every=16 (a GPU's default) the step goes through the deferred path, which the
+    per-step guard's parts never see: its launch and block read are timed, and only parts the
+    arm reaches appear (none of the per-step read's)."""
+    workload = overhead.make_workload("tiny", 8, torch.device("cpu"))
+    parts = overhead.breakdown(workload, "predict=False, read_every=16", torch.device("cpu"), 20, 48)
+    timed = parts["parts_us"]
+    assert timed["checks read + update (deferred)"] > timed["optimizer step"] > 0  # the launch holds the update
+    assert timed["block read and judgment (deferred)"] > 0 and timed["end of step: counters, events, metrics"] > 0
+    assert "checks queued + update (deferred, device-side skip)" not in timed  # no fused optimizer here
+    assert parts["own_us"] == pytest.approx(parts["step_us"] - sum(
+        timed[k] for k in ("model forward", "backward", "optimizer step")))
+
+
 def test_tensor_peak_is_exact_on_a_known_sequence_of_allocations():
     keep = torch.empty(250_000)  # allocated before: not in the peak, and its free is not reported
     with overhead.TensorPeak() as peak:
