@@ -1,12 +1,13 @@
 """What does the trainer cost next to a plain loop, in time and in peak memory?
 
     python -m bench.overhead [--models tiny mlp-1ms fashion charlm mlp-50m] [--device cpu|cuda] [--quick]
-                             [--memory-only | --arms ARM [ARM ...]]
+                             [--memory-only | --arms ARM [ARM ...]] [--fused-adamw]
 
 Every model is trained by the plain loop (``zero_grad``, ``loss.backward()``, ``optimizer.step()``:
 no read of the loss) and by ``HybridTrainer`` in four configurations (``predict=False``, the
 default, ``weight_average=True``, and ``predict=False`` with the guard reading every 16 steps,
-``read_every=16``, a GPU's default), all with AdamW (torch's default implementation for the device),
+``read_every=16``, a GPU's default), all with AdamW (torch's default implementation for the device;
+``fused=True`` with ``--fused-adamw``, results named ``*_fused``),
 the same initial weights, the same batches in the same order and the same seed.
 
 * **Time**: the arms are stepped in interleaved chunks (the order rotated each round), so the
@@ -222,12 +223,24 @@ def make_workload(name: str, n_batches: int, device: torch.device) -> Workload:
     raise ValueError(f"--models: unknown model {name!r}; one of mlp-1ms, fashion, charlm, mlp-50m, tiny, small")
 
 
+# --fused-adamw: every arm's AdamW is fused=True (the implementation whose update the guard can
+# skip on the device, so that a GPU step reads nothing back; hybrid_trainer.deferred_checks).
+# An environment variable, so that the arms' processes and the memory children get it too.
+FUSED_ENV = "HYBRID_BENCH_FUSED_ADAMW"
+
+
+def adamw_options() -> dict[str, Any]:
+    """AdamW's keyword arguments in every arm: ``fused=True`` under ``--fused-adamw``, else none
+    (torch's default implementation for the device: foreach on a GPU)."""
+    return dict(fused=True) if os.environ.get(FUSED_ENV) == "1" else {}
+
+
 def _arm_step(arm: str, workload: Workload, device: torch.device, seed: int = 0):
     """(step function, trainer or None, model) of one arm, freshly built."""
     from hybrid_trainer import HybridConfig, HybridTrainer
 
     model = workload.make_model(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=workload.lr)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=workload.lr, **adamw_options())
     if arm == GUARD_FLOOR:
         params = [p for p in model.parameters() if p.requires_grad]
 
@@ -1080,7 +1093,8 @@ def markdown(results: dict[str, Any]) -> str:
     if len(runs) > 1:  # merged from several invocations: say which model came from which
         results = dict(results, command="; ".join(sorted({r["run"]["command"] for r in results["models"].values()
                                                            if "run" in r})))
-    lines = [f"Trainer overhead over the plain AdamW loop, `{results['command']}` ({results['date']}, commit "
+    fused = " (fused)" if (results.get("settings") or {}).get("adamw", {}).get("fused") else ""
+    lines = [f"Trainer overhead over the plain AdamW{fused} loop, `{results['command']}` ({results['date']}, commit "
              f"{(results['git']['commit'] or '?')[:10]}{' + uncommitted changes' if results['git']['dirty'] else ''}, "
              f"torch {results['torch']}, {results['device']}, {results['threads']} thread(s)).", "",
              f"Time: median over chunks of {_chunks_said(results)} of the chunk's mean step (each chunk's timed "
@@ -1183,6 +1197,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arms", nargs="+", default=None, metavar="ARM",
                         help="time only these arms beside the plain loop and keep the model's other figures (other "
                              f"arms' times, memory, breakdown, exploration) from the existing results file; of {timeable}")
+    parser.add_argument("--fused-adamw", action="store_true",
+                        help="AdamW(fused=True) in every arm, the plain loop's too (results named *_fused): on a GPU "
+                             "the trainer's guard then reads nothing back between its block reads")
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "ARM"), help=argparse.SUPPRESS)
     parser.add_argument("--child-measure", default="rss", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -1190,6 +1207,8 @@ def main(argv: list[str] | None = None) -> int:
     args.batches = args.batches if args.batches_given else 64
     args.chunk = args.chunk if args.chunk_given else PERIOD
     device = torch.device(args.device)
+    if args.fused_adamw:
+        os.environ[FUSED_ENV] = "1"  # read by adamw_options, here and in every child
     if args.child:
         print(json.dumps(memory_child(*args.child, args.device, args.memory_steps, args.batches, args.child_measure)))
         return 0
@@ -1214,8 +1233,10 @@ def main(argv: list[str] | None = None) -> int:
                                                  model_steps=None if args.quick or args.steps else MODEL_STEPS,
                                                  chunk=args.chunk, explore_steps=explore_steps,
                                                  memory_steps=memory_steps, batches=args.batches,
-                                                 model_batches=None if args.batches_given else MODEL_BATCHES))
-    suffix = ("_quick" if args.quick else "") + ("" if device.type == "cpu" else f"_{device.type}")
+                                                 model_batches=None if args.batches_given else MODEL_BATCHES,
+                                                 adamw=adamw_options()))
+    suffix = (("_quick" if args.quick else "") + ("" if device.type == "cpu" else f"_{device.type}")
+              + ("_fused" if args.fused_adamw else ""))
     existing = args.out / f"overhead{suffix}.json"
     previous = json.loads(existing.read_text())["models"] if existing.exists() else {}
     untimed = [m for m in models if m not in previous]

@@ -99,6 +99,20 @@ def test_on_a_gpu_the_goal_is_the_speed_ratio_whatever_the_step():
     assert "a GPU): at least 0.97× the plain loop's speed" in overhead.goal_lines({"device": "cuda", "models": {}})[0]
 
 
+def test_fused_adamw_reaches_every_arm_through_the_environment(monkeypatch):
+    """--fused-adamw sets an environment variable, so that arms in processes of their own and
+    the memory children build the same optimizer as the arms in this process."""
+    workload = overhead.make_workload("tiny", 4, torch.device("cpu"))
+    monkeypatch.delenv(overhead.FUSED_ENV, raising=False)
+    step, trainer, _ = overhead._arm_step("predict=False", workload, torch.device("cpu"))
+    assert not trainer.optimizer.defaults["fused"]
+    monkeypatch.setenv(overhead.FUSED_ENV, "1")
+    for arm in ("plain", "predict=False"):
+        step, trainer, _ = overhead._arm_step(arm, workload, torch.device("cpu"))
+        optimizer = step.optimizer if trainer is None else trainer.optimizer
+        assert optimizer.defaults["fused"] is True, arm
+
+
 def test_breakdown_of_a_deferred_arm_times_its_launch_and_block_reads():
     """With read_every=16 (a GPU's default) the step goes through the deferred path, which the
     per-step guard's parts never see: its launch and block read are timed, and only parts the
