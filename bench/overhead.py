@@ -1228,6 +1228,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m bench.overhead " + " ".join(sys.argv[1:] if argv is None else argv)
     meta = run_metadata(command)
     results: dict[str, Any] = dict(meta, git=dict(commit=meta["git_commit"], dirty=meta["git_dirty"]), device=str(device),
+                                   gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
                                    host=platform.node(), threads=torch.get_num_threads(), models={},
                                    settings=dict(warmup=warmup, steps=args.steps or default_steps,
                                                  model_steps=None if args.quick or args.steps else MODEL_STEPS,

@@ -78,7 +78,7 @@ def status() -> str:
          f"{no_predict['time_vs_plain']:.2f}× the plain DDP loop's training time (seeds "
          f"{no_predict['time_vs_plain_range'][0]:.2f}–{no_predict['time_vs_plain_range'][1]:.2f})", _cmd(ddp)),
     ]
-    rows += _overhead_rows() + _capacity_rows() + _nowcast_rows() + _fm16_rows()
+    rows += _overhead_rows() + _gpu_overhead_rows() + _capacity_rows() + _nowcast_rows() + _fm16_rows()
     lines = ["| what | measured (char-LM / Fashion-MNIST / digits where three) | command |", "|---|---|---|"]
     lines += [f"| {what} | {figure} | {command} |" for what, figure, command in rows]
     return "\n".join(lines)
@@ -173,6 +173,41 @@ def _overhead_rows() -> list[tuple[str, str, str]]:
          f"loop's; R: peak RSS){fixed_bytes()}", cmd),
     ]
     return rows[:1] + exploration_rows + rows[1:]
+
+
+def _gpu_overhead_rows() -> list[tuple[str, str, str]]:
+    """The trainer against the plain loop on a GPU: ``bench.overhead --device cuda`` (each model's
+    step and overhead, the goal's verdict) and the fused end-to-end run's ``no-predict`` arm."""
+    if not (RESULTS / "overhead_cuda.json").exists():
+        return []
+    from bench.overhead import time_goal
+
+    data = _load("overhead_cuda.json")
+    models = {m: data["models"][m] for m in OVERHEAD_MODELS if m in data["models"]}
+    names = " / ".join(OVERHEAD_MODELS[m] for m in models)
+
+    def vs(arm: str, key: str, fmt: str) -> str:
+        return " / ".join(format(e["arms"][arm]["vs_plain"][key], fmt) for e in models.values())
+
+    steps = " / ".join(f"{e['arms']['plain']['time']['chunk_median_us']:.0f}" for e in models.values())
+    verdicts = " / ".join(g["verdict"].split(" (")[0] for g in (time_goal(e, "cuda") for e in models.values()))
+    device = (data.get("gpu") or "GPU").removeprefix("NVIDIA ")
+    text = (f"plain step {steps} µs; `predict=False` {vs('predict=False', 'overhead_us', '+.0f')} µs, i.e. "
+            f"{vs('predict=False', 'time_ratio', '.2f')}× the plain step (goal: ≥ 0.97× the plain loop's speed; "
+            f"here: {verdicts}); the floor of any per-step NaN guard {vs(FLOOR, 'overhead_us', '+.0f')} µs; "
+            f"device memory `predict=False` {vs('predict=False', 'memory_ratio', '.2f')}×, default "
+            f"{vs('default', 'memory_ratio', '.2f')}×")
+    cmds = " ".join(f"`{c}`" for c in dict.fromkeys(e["run"]["command"] for e in models.values()))
+    rows = [(f"The trainer's cost per step on a GPU ({device}, AdamW foreach), prediction off ({names})", text, cmds)]
+    fused = {t: RESULTS / f"e2e_{t}_cuda_fused.json" for t in ("charlm", "fashion")}
+    if all(f.exists() for f in fused.values()):
+        runs = [json.loads(f.read_text()) for f in fused.values()]
+        rows.append((f"The trainer's cost in time on a GPU ({runs[0]['meta'].get('device', 'GPU').removeprefix('NVIDIA ')}, "
+                     "fused AdamW in every arm), prediction off "
+                     "(`no-predict`; char-LM / Fashion-MNIST)",
+                     "speed-up " + " / ".join(_speedup(d, "HybridTrainer (no-predict)") for d in runs)
+                     + " (1.00× would be free)", _cmd(runs[0])))
+    return rows
 
 
 def _capacity_rows() -> list[tuple[str, str, str]]:
