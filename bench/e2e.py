@@ -18,6 +18,8 @@ Protocol (``bench.protocol``):
   ``schedule-free``: the trainer (default config) over schedule-free AdamW (the ``schedulefree``
   package) at the rate and warm-up a third sweep picks, with its control, the plain loop over the
   same optimizer; both are evaluated at the optimizer's averaged weights (``optimizer.eval()``).
+  Without that package the default presets leave these arms out (as the muon arms without
+  ``torch.optim.Muon``), and asking for them is an error.
   ``muon``: the trainer over Muon (``torch.optim.Muon``) for the hidden weight matrices and AdamW
   for the rest, one ``CombinedOptimizer``, at the rates a fourth sweep picks, with its control,
   the plain loop over the same pair; ``muon-forced`` (on request) the same with prediction forced.
@@ -36,6 +38,7 @@ Protocol (``bench.protocol``):
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import time
@@ -268,6 +271,12 @@ def main(argv: list[str] | None = None) -> int:
         presets = [p for p in presets if p not in MUON_PRESETS]
         print(f"torch {torch.__version__} has no torch.optim.Muon (torch >= 2.9): the muon arms are left out",
               file=sys.stderr)
+    if "schedule-free" in presets and importlib.util.find_spec("schedulefree") is None:  # the bench extra
+        if args.presets:
+            parser.error("--presets: schedule-free needs the schedulefree package (the bench extra), "
+                         "which is not installed")
+        presets = [p for p in presets if p != "schedule-free"]
+        print("schedulefree (the bench extra) is not installed: the schedule-free arms are left out", file=sys.stderr)
     for name in presets:
         preset_config(name)  # a bad name fails here, not after the first task's runs
     args.out.mkdir(parents=True, exist_ok=True)

@@ -191,7 +191,8 @@ def _update_eager(param, grad, m_codes, m_scales, v_codes, v_scales, bits, block
         if pad:  # the last block is short: pad it (the pad's m and u are kept at zero)
             w = torch.nn.functional.pad(w, (0, pad))
             g = torch.nn.functional.pad(g, (0, pad))
-        index = None if key is None else torch.arange(e0, e0 + nb * block, dtype=torch.int64).view(nb, block)
+        index = None if key is None else torch.arange(e0, e0 + nb * block, dtype=torch.int64,
+                                                      device=flat_w.device).view(nb, block)
         c0, c1 = b0 * block // per_byte, b1 * block // per_byte
         mq, vq = m_codes[c0:c1].view(nb, -1), v_codes[c0:c1].view(nb, -1)
         # Compiled for full chunks only (one shape, compiled once); a short last chunk (or a small

@@ -595,7 +595,14 @@ def _backward_triton(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
 # --------------------------------------------------------------------------------------------
 def _attention_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                      softmax_scale: float) -> torch.Tensor:
-    kv_group_size = q.shape[1] // max(k.shape[1], 1)  # no heads at all: SDPA returns the empty output
+    if q.numel() == 0:
+        # No queries (B, Hq or Nq is 0; D >= 16): empty output, zero gradients for q, k and v,
+        # without SDPA. PyTorch's CUDA SDPA cannot take empty inputs (torch 2.11 cu130, H100: its
+        # backward fails an internal assert, `p.gQ_strideM() == grad_q.stride(1)` in
+        # attention_backward.cu, and an fp16 causal call returned None). The `* 0` term keeps k and
+        # v in the graph, so their gradients are zeros (not None), as the Triton backward gives.
+        return q.new_zeros(q.shape) + (q.sum() + k.sum() + v.sum()) * 0
+    kv_group_size = q.shape[1] // max(k.shape[1], 1)
     if kv_group_size > 1:
         if _SDPA_HAS_GQA:
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale, enable_gqa=True)

@@ -1,6 +1,6 @@
-"""Low-bit AdamW: the fused Triton update (interpreted on CPU) against its eager reference, the
-optimizer's update against torch's fp32 AdamW within stated tolerances, stochastic rounding,
-and exact resume."""
+"""Low-bit AdamW: the fused Triton update (on the GPU when there is one, else interpreted on CPU)
+against its eager reference, the optimizer's update against torch's fp32 AdamW within stated
+tolerances, stochastic rounding, and exact resume."""
 import pytest
 import torch
 
@@ -9,13 +9,13 @@ from hybrid_kernels import adamw_lowbit as K
 from hybrid_trainer.lowbit_adamw import LowBitAdamW
 
 
-def _state(n, bits, block):
-    return {k: torch.zeros(s, dtype=d) for k, (s, d) in K.state_shapes(n, bits, block).items()}
+def _state(n, bits, block, device="cpu"):
+    return {k: torch.zeros(s, dtype=d, device=device) for k, (s, d) in K.state_shapes(n, bits, block).items()}
 
 
 def _run(w, grads, bits, block, backend_env, monkeypatch, seed=3):
     monkeypatch.setenv("HYBRID_KERNELS_BACKEND", backend_env)
-    st = _state(w.numel(), bits, block)
+    st = _state(w.numel(), bits, block, w.device)
     for step, g in enumerate(grads, start=1):
         key = K.sr_key(seed, step, 0) if w.dtype == torch.bfloat16 else None
         K.adamw_lowbit_update_(w, g, st["m_codes"], st["m_scales"], st["v_codes"], st["v_scales"], bits=bits,
@@ -26,12 +26,12 @@ def _run(w, grads, bits, block, backend_env, monkeypatch, seed=3):
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,block", [(1000, 64), (300, 128), (17, 16)])
-def test_triton_kernel_matches_eager(bits, dtype, n, block, monkeypatch):
+def test_triton_kernel_matches_eager(bits, dtype, n, block, device, monkeypatch):
     if not hk.INTERPRET and not torch.cuda.is_available():
         pytest.skip("kernels not interpreted in this process")
     g = torch.Generator().manual_seed(n)
-    w0 = (torch.randn(n, generator=g) * 0.1).to(dtype)
-    grads = [torch.randn(n, generator=g) * torch.linspace(0.01, 3, n) for _ in range(3)]
+    w0 = (torch.randn(n, generator=g) * 0.1).to(device=device, dtype=dtype)
+    grads = [(torch.randn(n, generator=g) * torch.linspace(0.01, 3, n)).to(device) for _ in range(3)]
     w_e, st_e = _run(w0.clone(), grads, bits, block, "eager", monkeypatch)
     w_t, st_t = _run(w0.clone(), grads, bits, block, "triton", monkeypatch)
     assert hk.last_backend("adamw_lowbit") == "triton"

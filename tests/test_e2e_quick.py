@@ -9,6 +9,8 @@ from bench import e2e, protocol
 from bench.tasks import get_task
 
 requires_muon = pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon needs torch >= 2.9")
+# The bench extra; without it bench.e2e leaves the schedule-free arms out of its default presets.
+NO_SCHEDULEFREE = "schedulefree (the bench extra) is not installed"
 
 
 @pytest.fixture(autouse=True)
@@ -19,7 +21,8 @@ def eager(monkeypatch):
 @pytest.fixture(scope="session")
 def quick_run(tmp_path_factory):
     """One quick run of the benchmark with its default presets (default, weight-average,
-    schedule-free, muon, no-predict), shared by the tests of its output: ``(out folder, result)``."""
+    schedule-free, muon, no-predict; less the schedule-free and muon arms where their optimizers
+    are missing), shared by the tests of its output: ``(out folder, result)``."""
     out = tmp_path_factory.mktemp("e2e_quick")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("HYBRID_KERNELS_BACKEND", "eager")
@@ -129,6 +132,7 @@ def test_weight_average_arms_get_their_own_swept_rate_and_a_control(quick_run):
 
 @pytest.mark.slow
 def test_schedule_free_arms_get_their_own_swept_rate_and_warm_up_and_a_control(quick_run):
+    pytest.importorskip("schedulefree", reason=NO_SCHEDULEFREE)
     tmp_path, result = quick_run
     free, tuned, budget = result["schedule_free"], result["tuned_lr"], result["steps"]
     grid = [(tuned * f, round(budget * w)) for f in e2e.SCHEDULE_FREE_LR_FACTORS for w in e2e.SCHEDULE_FREE_WARMUP_FRACTIONS]
@@ -143,6 +147,7 @@ def test_schedule_free_arms_get_their_own_swept_rate_and_warm_up_and_a_control(q
 
 
 def test_schedule_free_evaluation_moves_to_the_average_and_back():
+    pytest.importorskip("schedulefree", reason=NO_SCHEDULEFREE)
     model = torch.nn.Linear(3, 2)
     optimizer = protocol.make_optimizer(protocol.ArmSpec("sf", 0.1, schedule_free_warmup=0), model)
     for _ in range(3):

