@@ -651,7 +651,7 @@ BREAKDOWN_PARTS = {  # label: (object path from the trainer, "" for the trainer 
     # read_every > 1 (a GPU's default): the parts of the deferred path, which the per-step
     # parts above do not see; a part an arm never reaches (guard.deferred is None with
     # read_every=1) is left out. The launches include the optimizer step they make.
-    "gradient norm on the device (deferred)": ("guard", "grad_norm"),
+    "gradient norms on the device (deferred)": ("guard", "grad_norms"),
     "checks queued + update (deferred, device-side skip)": ("guard.deferred", "launch"),
     "checks read + update (deferred)": ("guard.deferred", "launch_read"),
     "block read and judgment (deferred)": ("guard.deferred", "settle"),

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from .run_report import PendingStepResult
+from .run_report import PendingStepResult, global_norm
 
 
 class DeferredChecks:
@@ -58,7 +58,8 @@ class DeferredChecks:
 
     def __init__(self, every: int):
         self.every = every
-        # (result, the step's (loss, norm) as a 2-value device tensor or read pair, whether it had gradients)
+        # (result, the step's [loss, gradient norms...] as a device tensor or its read (loss, norm) pair,
+        # whether it had gradients)
         self.pending: list[tuple[PendingStepResult, Any, bool]] = []
         self._found: torch.Tensor | None = None  # the device-side skip flag, reused every step
         self._one: torch.Tensor | None = None
@@ -71,13 +72,20 @@ class DeferredChecks:
         """Forget the queued steps (a checkpoint replaces the state they led to)."""
         self.pending.clear()
 
-    def launch(self, guard: Any, loss: torch.Tensor, norm: torch.Tensor | None, result: PendingStepResult) -> None:
-        """Apply this step's update unless its loss or norm is non-finite, without judging it yet.
+    def launch(self, guard: Any, loss: torch.Tensor, norms: list[torch.Tensor] | None,
+               result: PendingStepResult) -> None:
+        """Apply this step's update unless its loss or a gradient norm is non-finite, without
+        judging it yet.
 
-        ``loss``: the step's 0-d loss, ``norm``: its 0-d global gradient norm (None without
-        gradients), both on the device."""
-        values = torch.stack([loss.float(), torch.zeros_like(loss, dtype=torch.float32) if norm is None
-                              else norm.to(loss.device, torch.float32)])
+        ``loss``: the step's 0-d loss; ``norms``: 0-d norms whose root sum of squares is the
+        global gradient norm (``StepGuard.grad_norms``: one per gradient; None without
+        gradients), on the loss's device. They are queued as they are, ``[loss, n_1, ..., n_k]``
+        in one float32 stack (torch promotes 16-bit norms), and combined on the host at the
+        read (:func:`global_norm`, float64): one stack a step, where reducing them to the
+        global norm first cost two more launches. A non-finite gradient makes its own norm
+        non-finite, so the device-side flag sees it; finite norms whose squares overflow
+        float32 no longer read as non-finite there, and the monitor judges their global norm."""
+        values = torch.stack([loss.float(), *([] if norms is None else norms)])
         optimizer = guard.optimizer
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             if self._found is None or self._found.device != values.device:
@@ -94,11 +102,11 @@ class DeferredChecks:
             finally:
                 del optimizer.found_inf
             guard.buffers_before.restore_where(found)
-            result.values_on_device(values, has_norm=norm is not None)
-            self.pending.append((result, values, norm is not None))
+            result.values_on_device(values, has_norm=norms is not None)
+            self.pending.append((result, values, norms is not None))
             return
-        loss_value, norm_value = values.tolist()  # the read an optimizer without a device-side skip costs
-        self.launch_read(guard, loss_value, norm_value, norm is not None, result)
+        loss_value, *norm_values = values.tolist()  # the read an optimizer without a device-side skip costs
+        self.launch_read(guard, loss_value, global_norm(norm_values), norms is not None, result)
 
     def launch_read(self, guard: Any, loss_value: float, norm_value: float, has_norm: bool,
                     result: PendingStepResult) -> None:
@@ -118,10 +126,13 @@ class DeferredChecks:
             return []
         pending, self.pending = self.pending, []
         on_device = [v for _, v, _ in pending if isinstance(v, torch.Tensor)]
-        read = iter(torch.stack(on_device).tolist()) if on_device else iter(())  # the block's one read
+        read = iter(torch.cat(on_device).tolist()) if on_device else iter(())  # the block's one read
         values = []
         for result, value, has_norm in pending:
-            loss_value, norm_value = next(read) if isinstance(value, torch.Tensor) else value
+            if isinstance(value, torch.Tensor):  # [loss, n_1, ..., n_k]: k from the queued tensor
+                loss_value, norm_value = next(read), global_norm([next(read) for _ in range(len(value) - 1)])
+            else:
+                loss_value, norm_value = value
             norm_value = norm_value if has_norm and math.isfinite(loss_value) else None
             result.values_read(loss_value, norm_value)
             values.append((loss_value, norm_value))

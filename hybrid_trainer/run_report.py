@@ -3,6 +3,7 @@
 human-readable summary (:func:`format_summary`)."""
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -49,6 +50,12 @@ def _read_on_access(name: str) -> property:
     return property(get, set)
 
 
+def global_norm(norms: list[float]) -> float:
+    """The global L2 norm from its parts' norms, ``sqrt(fsum(n_i ** 2))`` in float64 on the host
+    (how the guard combines per-gradient norms it has read); non-finite if any part is."""
+    return math.sqrt(math.fsum([n * n for n in norms]))
+
+
 class PendingStepResult(StepResult):
     """A real step whose checks wait for the guard's next read (``HybridConfig.read_every`` > 1;
     :mod:`~hybrid_trainer.deferred_checks`). ``loss`` and ``grad_norm`` are read from the device
@@ -58,7 +65,7 @@ class PendingStepResult(StepResult):
 
     loss = _read_on_access("loss")
     grad_norm = _read_on_access("grad_norm")
-    _on_device: Any = None  # the step's (loss, norm) as a 2-value device tensor, until read
+    _on_device: Any = None  # the step's [loss, gradient norms...] as a device tensor, until read
     _has_norm = True
     settled = False
 
@@ -73,8 +80,8 @@ class PendingStepResult(StepResult):
         self.grad_norm = grad_norm if finite and self._has_norm else None
 
     def _read_device_values(self) -> None:
-        loss, norm = self._on_device.tolist()
-        self.values_read(loss, norm)
+        loss, *norms = self._on_device.tolist()
+        self.values_read(loss, global_norm(norms))
 
 
 @dataclass

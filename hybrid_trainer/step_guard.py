@@ -41,6 +41,7 @@ from .buffer_guard import BufferGuard
 from .config import HybridConfig
 from .deferred_checks import DeferredChecks
 from .divergence import DivergenceMonitor, Severity
+from .run_report import global_norm
 from .errors import TrainingStalledError
 from .optimizer_call import OptimizerStep
 from .resume_check import non_finite_names
@@ -181,6 +182,17 @@ class StepGuard:
             return grad_norm_tensor(grads)
         return torch.nn.utils.clip_grad_norm_(self.params, self.config.grad_clip)
 
+    def grad_norms(self) -> list[torch.Tensor] | None:
+        """The gradients' norms as 0-d device tensors whose root sum of squares is the global
+        norm (:func:`global_norm`): one per gradient where the gradients share a device and
+        dtype and no clipping is asked for (one op, ``_foreach_norm``, instead of
+        :meth:`grad_norm`'s three), else the one global norm; None without gradients."""
+        if self.config.grad_clip is None and self._grads_uniform:
+            grads = [p.grad for p in self.params if p.grad is not None]
+            return torch._foreach_norm(grads) if grads else None
+        norm = self.grad_norm()
+        return None if norm is None else [norm]
+
     def read_step_values(self, loss: torch.Tensor) -> tuple[float, float | None]:
         """The step's loss and global gradient norm as floats (:meth:`grad_norm`, then
         :meth:`read_loss_and_norm`; the norm None when the loss is not finite).
@@ -198,7 +210,7 @@ class StepGuard:
         if not grads:
             return total, 0.0
         # Per-tensor reads: cheaper than stacking the norms for a read up to 40 tensors and beyond.
-        return total, math.sqrt(math.fsum([norm.item() ** 2 for norm in torch._foreach_norm(grads)]))
+        return total, global_norm([norm.item() for norm in torch._foreach_norm(grads)])
 
     def steps_on_device(self, record: bool) -> bool:
         """Whether this step launches its optimizer step before reading the guard's values.

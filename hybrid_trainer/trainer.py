@@ -479,7 +479,7 @@ class HybridTrainer:
             loss_value, norm_value = guard.read_step_values(loss)
             guard.deferred.launch_read(guard, loss_value, 0.0 if norm_value is None else norm_value, has_norm, result)
         else:
-            guard.deferred.launch(guard, loss, guard.grad_norm(), result)
+            guard.deferred.launch(guard, loss, guard.grad_norms(), result)
         self.stats.optimizer_steps += 1  # taken back at the read if the step was refused
         if self.scheduler is not None:
             self.scheduler.step()
