@@ -55,7 +55,9 @@ Triton path:
 
 Under ``torch.compile`` the call goes through the ``hybrid_kernels::flash_attention_fwd`` /
 ``hybrid_kernels::flash_attention_bwd`` custom ops (fake kernels, ``register_autograd``), so it is
-one opaque node in the graph; in eager mode the implementation is called directly.
+one opaque node in the graph (there the eager backend's backward is computed in closed form,
+``_backward_eager``: torch autograd records nothing inside a custom op); in eager mode the
+implementation is called directly.
 """
 from __future__ import annotations
 
@@ -626,11 +628,38 @@ def _softmax_stats_eager(q: torch.Tensor, k: torch.Tensor, causal: bool, softmax
 
 def _backward_eager(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                     softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        out = _attention_eager(*leaves, causal, softmax_scale)
-        dq, dk, dv = torch.autograd.grad(out, leaves, dout)
-    return dq, dk, dv
+    """dq, dk, dv in closed form, in fp32, cast to the inputs' dtype. Materializes the scores: only
+    the compiled-graph fallback (the ``flash_attention_bwd`` op) uses it.
+
+    Closed form, not ``torch.autograd.grad`` through a recomputed forward: this runs inside a
+    custom op's implementation, which torch.library dispatches below the Autograd key
+    (``_AutoDispatchBelowAutograd``), so no autograd graph is recorded there, even under
+    ``torch.enable_grad()`` with leaves that require grad ("element 0 of tensors does not require
+    grad"). With S = scale * q k^T (masked), P = softmax(S), O = P v:
+    dP = dO v^T, dS = P * (dP - rowsum(P * dP)), dq = scale * dS k, dk = scale * dS^T q,
+    dv = P^T dO; a kv head's dk and dv sum over the query heads of its group."""
+    if q.numel() == 0:
+        # No queries (B, Hq or Nq is 0): zero gradients, as the eager forward's graph gives.
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    n_kv_heads = k.shape[1]
+    group = q.shape[1] // n_kv_heads
+    q32, dout32 = q.float(), dout.float()
+    k32 = k.float().repeat_interleave(group, dim=1)
+    v32 = v.float().repeat_interleave(group, dim=1)
+    scores = (q32 @ k32.transpose(-2, -1)) * softmax_scale
+    if causal:  # top-left: query i sees keys j <= i (key 0 always, so no row is fully masked)
+        visible = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    dprobs = dout32 @ v32.transpose(-2, -1)
+    dscores = probs * (dprobs - (probs * dprobs).sum(dim=-1, keepdim=True))
+    dq = (dscores @ k32) * softmax_scale
+    dk = (dscores.transpose(-2, -1) @ q32) * softmax_scale
+    dv = probs.transpose(-2, -1) @ dout32
+    if group > 1:  # [B, Hq, Nk, D] -> [B, Hkv, group, Nk, D], summed over the group
+        dk = dk.unflatten(1, (n_kv_heads, group)).sum(dim=2)
+        dv = dv.unflatten(1, (n_kv_heads, group)).sum(dim=2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 # --------------------------------------------------------------------------------------------

@@ -402,6 +402,60 @@ def test_torch_compile_uses_the_custom_op():
         torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
+@pytest.mark.usefixtures("eager_backend")
+@pytest.mark.parametrize("batch, n_q_heads, n_kv_heads, seq_q, seq_k, causal, dtype", [
+    pytest.param(1, 2, 2, 33, 20, False, F32, id="mha"),
+    pytest.param(2, 4, 2, 20, 33, True, F32, id="gqa-causal"),
+    pytest.param(1, 4, 1, 17, 17, True, F16, id="mqa-causal-fp16"),
+    pytest.param(2, 2, 1, 0, 17, True, F32, id="no-queries"),
+])
+def test_torch_compile_backward_on_the_eager_backend(batch, n_q_heads, n_kv_heads, seq_q, seq_k, causal, dtype):
+    """The custom op's backward served by the eager reference (HYBRID_KERNELS_BACKEND=eager, or a
+    CPU without the interpreter). Its implementation runs below the Autograd dispatch key, where
+    no autograd graph is recorded: recomputing the forward and calling torch.autograd.grad there
+    failed with "element 0 of tensors does not require grad"."""
+    torch._dynamo.reset()
+    q, k, v = _inputs(batch, n_q_heads, n_kv_heads, seq_q, seq_k, 16, dtype)
+    dout = torch.randn(q.shape, device=DEVICE).to(dtype)
+
+    def attention(q, k, v):
+        return flash_attention(q, k, v, causal=causal, softmax_scale=0.3)
+
+    hybrid_kernels.reset_backend_counts()
+    out = torch.compile(attention, fullgraph=True)(q, k, v)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert hybrid_kernels.last_backend("flash_attention") == "eager"
+    assert hybrid_kernels.last_backend("flash_attention_backward") == "eager"
+    eager_out = attention(q, k, v)  # uncompiled: SDPA with torch's own autograd
+    eager_grads = torch.autograd.grad(eager_out, (q, k, v), dout)
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == F32 else {"atol": 2e-3, "rtol": 2e-3}
+    torch.testing.assert_close(out, eager_out, **tolerance)
+    for name, g, e, like in zip(("dq", "dk", "dv"), grads, eager_grads, (q, k, v)):
+        assert g.shape == like.shape and g.dtype == like.dtype, name
+        torch.testing.assert_close(g, e, **tolerance, msg=name)
+    if seq_q == 0:
+        assert torch.equal(grads[1], torch.zeros_like(k)) and torch.equal(grads[2], torch.zeros_like(v))
+
+
+@pytest.mark.usefixtures("eager_backend")
+@pytest.mark.parametrize("n_q_heads, n_kv_heads, seq_q, seq_k, causal", [
+    (2, 2, 33, 20, False), (4, 2, 20, 33, True), (4, 1, 40, 17, True)])
+def test_backward_op_on_the_eager_backend_matches_float64_reference(n_q_heads, n_kv_heads, seq_q, seq_k, causal):
+    """The same op the compiled graph calls, called directly (fast, no compile): its eager
+    implementation runs below the Autograd key too."""
+    q, k, v = (t.detach() for t in _inputs(2, n_q_heads, n_kv_heads, seq_q, seq_k, 16, F32))
+    dout = torch.randn(q.shape, device=DEVICE)
+    out, stats, residual = fa._flash_attention_fwd_op(q, k, v, causal, 0.3)
+    grads = fa._flash_attention_bwd_op(dout, q, k, v, out, residual, stats, causal, 0.3)
+    assert hybrid_kernels.last_backend("flash_attention_backward") == "eager"
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    expected = torch.autograd.grad(_attention_float64(q64, k64, v64, causal, 0.3), (q64, k64, v64), dout.double())
+    for name, g, e, like in zip(("dq", "dk", "dv"), grads, expected, (q, k, v)):
+        assert g.shape == like.shape and g.dtype == like.dtype and g.is_contiguous(), name
+        torch.testing.assert_close(g.double(), e, atol=1e-5, rtol=1e-5, msg=name)
+
+
 def test_custom_op_fake_kernels_give_the_real_shapes():
     """What torch.compile traces with: fake tensors must match the real outputs' shapes/dtypes."""
     from torch._subclasses.fake_tensor import FakeTensorMode
