@@ -947,13 +947,12 @@ def time_goal(entry: dict[str, Any], device: str = "cpu") -> dict[str, Any] | No
     refused = (timed.get("refusals") or {}).get("skipped_steps", 0)
     unsteady = (f"not resolved (the guard refused {refused} of its {timed['steps']} timed steps)"
                 if refused and refused > REFUSED_SHARE_LIMIT * timed["steps"] else None)
+    shown_relative = "" if interval is None else f", 95% interval {100 * interval[0] / step:+.1f}…{100 * interval[1] / step:+.1f}%"
     if device.startswith("cuda"):
-        shown = "" if interval is None else f", 95% interval {100 * interval[0] / step:+.1f}…{100 * interval[1] / step:+.1f}%"
-        return dict(goal=f"≥ {GOAL_GPU_SPEED:.2f}× the plain loop's speed", step_us=step, shown=shown,
+        return dict(goal=f"≥ {GOAL_GPU_SPEED:.2f}× the plain loop's speed", step_us=step, shown=shown_relative,
                     verdict=unsteady or goal_verdict(c["overhead_us"], interval, (1 / GOAL_GPU_SPEED - 1) * step))
     if step >= GOAL_LONG_STEP_US:
-        shown = "" if interval is None else f", 95% interval {100 * interval[0] / step:+.1f}…{100 * interval[1] / step:+.1f}%"
-        return dict(goal=f"≤ {100 * (GOAL_RATIO - 1):.0f}%", step_us=step, shown=shown,
+        return dict(goal=f"≤ {100 * (GOAL_RATIO - 1):.0f}%", step_us=step, shown=shown_relative,
                     verdict=unsteady or goal_verdict(c["overhead_us"], interval, (GOAL_RATIO - 1) * step))
     shown = "" if interval is None else f", 95% interval {interval[0]:+.0f}…{interval[1]:+.0f} µs"
     return dict(goal=f"≤ {GOAL_FIXED_US:.0f} µs", step_us=step, shown=shown,
@@ -973,11 +972,12 @@ def over_lean_calls(arms: dict[str, Any]) -> tuple[float, dict[str, Any] | None]
 def goal_lines(results: dict[str, Any]) -> list[str]:
     """The time goals of ``results``' device, model by model, from the ``predict=False`` arm and the guard floor."""
     device = results.get("device", "cpu")
+    on_gpu = device.startswith("cuda")
     goals = (f"at least {GOAL_GPU_SPEED:.2f}× the plain loop's speed (an overhead of at most "
-             f"{100 * (1 / GOAL_GPU_SPEED - 1):.1f}% of its step)" if device.startswith("cuda") else
+             f"{100 * (1 / GOAL_GPU_SPEED - 1):.1f}% of its step)" if on_gpu else
              f"at most {GOAL_FIXED_US:.0f} µs per step, and at most {100 * (GOAL_RATIO - 1):.0f}% where the plain step "
              f"takes {GOAL_LONG_STEP_US / 1000:.0f} ms or more")
-    out = [f"Time goals (`predict=False` over the plain loop, {'a GPU' if device.startswith('cuda') else 'a CPU'}): "
+    out = [f"Time goals (`predict=False` over the plain loop, {'a GPU' if on_gpu else 'a CPU'}): "
            f"{goals}; the "
            "overhead is the median of the round-by-round differences of chunk means, with its 95% interval "
            "(distribution-free, the sign test's) where the run has one; the guard floor (the plain loop plus the "
@@ -1094,6 +1094,7 @@ def markdown(results: dict[str, Any]) -> str:
         results = dict(results, command="; ".join(sorted({r["run"]["command"] for r in results["models"].values()
                                                            if "run" in r})))
     fused = " (fused)" if (results.get("settings") or {}).get("adamw", {}).get("fused") else ""
+    on_gpu = str(results.get("device", "cpu")).startswith("cuda")
     lines = [f"Trainer overhead over the plain AdamW{fused} loop, `{results['command']}` ({results['date']}, commit "
              f"{(results['git']['commit'] or '?')[:10]}{' + uncommitted changes' if results['git']['dirty'] else ''}, "
              f"torch {results['torch']}, {results['device']}, {results['threads']} thread(s)).", "",
@@ -1104,7 +1105,7 @@ def markdown(results: dict[str, Any]) -> str:
              "arms interleaved chunk by chunk, in one process (models ≤ 5M parameters) or each in a "
              "process of its own (larger; the first step of each chunk untimed, as it pays for the switch of "
              f"arms{_pairs_said(results)}); arms with prediction timed once it is off; ratio = (plain step + overhead) / plain step. Real steps: the trainer's non-predicted "
-             "steps. " + (_CUDA_MEMORY_SAID if str(results.get("device", "cpu")).startswith("cuda") else
+             "steps. " + (_CUDA_MEMORY_SAID if on_gpu else
              "Memory, each arm in fresh processes: peak RSS above the baseline after data loading (what a "
              "user meets: tensors, Python objects, allocator slack), and the exact peak of live tensor bytes "
              "(every allocation and free of torch's CPU allocator, summed in time order from before the model is "
@@ -1113,7 +1114,7 @@ def markdown(results: dict[str, Any]) -> str:
              f"{RSS_RESOLVES_BYTES / 1e6:.0f} MB, the tensor one below (basis R or T): one arm's peak RSS moves "
              "by several MB between runs, more than the 3% the goal allows of a smaller peak."), "",
              "| model | params | arm | step (µs) | overhead (µs) [95% interval] | ratio | real-step ratio | "
-             f"{'peak device memory' if str(results.get('device', 'cpu')).startswith('cuda') else 'peak RSS'} (MB) | "
+             f"{'peak device memory' if on_gpu else 'peak RSS'} (MB) | "
              "RSS ratio | tensor peak (MB) | tensor ratio | memory ratio (basis) | extra (MB) | trainer tensors (MB) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     if len(runs) > 1:

@@ -41,10 +41,10 @@ from .buffer_guard import BufferGuard
 from .config import HybridConfig
 from .deferred_checks import DeferredChecks
 from .divergence import DivergenceMonitor, Severity
-from .run_report import global_norm
 from .errors import TrainingStalledError
 from .optimizer_call import OptimizerStep
 from .resume_check import non_finite_names
+from .run_report import global_norm
 from .user_warning import warn_user
 
 
