@@ -69,7 +69,11 @@ still taken against the plain loop of its own run's rounds (``plain_chunk_means_
 report names the run every kept figure came from.
 
 Writes ``<out>/overhead.{json,md}`` (``overhead_quick`` with ``--quick``; ``_cuda`` on CUDA),
-each recording the git commit and whether the tree was dirty.
+each recording the git commit and whether the tree was dirty, and per model the host's speed
+(:func:`bench.protocol.machine_speed`: a Python loop step and one thread's memory read). The
+trainer's bookkeeping scales with the first and its pass over the gradients with the second, and
+this project's CI hosts of one CPU model differed 2.3x and ~3x in them, so figures merged from two
+hosts (``--merge``) say which host each came from.
 """
 from __future__ import annotations
 
@@ -91,7 +95,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from bench.protocol import run_metadata
+from bench.protocol import machine_speed, run_metadata
 
 ROOT = Path(__file__).resolve().parent.parent
 ARMS: dict[str, dict[str, Any] | None] = {
@@ -1088,6 +1092,15 @@ _CUDA_MEMORY_SAID = ("Memory, each arm in a fresh process: the peak of the devic
                      "peak on CUDA (the allocator's peak is exact). Ratios = trainer / plain.")
 
 
+def _machine_said(machine: dict[str, Any] | None) -> str:
+    """The host's speed (:func:`bench.protocol.machine_speed`) as a clause, empty for results
+    from before it was recorded: figures from hosts that differ in it are not comparable."""
+    if not machine:
+        return ""
+    return (f", on {machine['cpu']} ({machine['cores']} cores; a Python loop step {machine['python_ns']:.0f} ns, "
+            f"one thread reads {machine['read_gb_s']:.1f} GB/s)")
+
+
 def markdown(results: dict[str, Any]) -> str:
     runs = {json.dumps(r["run"], sort_keys=True) for r in results["models"].values() if "run" in r}
     if len(runs) > 1:  # merged from several invocations: say which model came from which
@@ -1097,7 +1110,8 @@ def markdown(results: dict[str, Any]) -> str:
     on_gpu = str(results.get("device", "cpu")).startswith("cuda")
     lines = [f"Trainer overhead over the plain AdamW{fused} loop, `{results['command']}` ({results['date']}, commit "
              f"{(results['git']['commit'] or '?')[:10]}{' + uncommitted changes' if results['git']['dirty'] else ''}, "
-             f"torch {results['torch']}, {results['device']}, {results['threads']} thread(s)).", "",
+             f"torch {results['torch']}, {results['device']}, {results['threads']} thread(s)"
+             f"{_machine_said(results.get('machine'))}).", "",
              f"Time: median over chunks of {_chunks_said(results)} of the chunk's mean step (each chunk's timed "
              "steps span one good-state period, so each pays one snapshot); "
              "overhead: median over rounds of the arm's chunk mean minus the plain loop's in the same round, with a "
@@ -1119,7 +1133,7 @@ def markdown(results: dict[str, Any]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     if len(runs) > 1:
         lines[1:1] = ["Runs: " + "; ".join(f"{m}: `{r['run']['command']}` at {r['run']['date']}, commit "
-                                           f"{(r['run']['git']['commit'] or '?')[:10]}"
+                                           f"{(r['run']['git']['commit'] or '?')[:10]}{_machine_said(r['run'].get('machine'))}"
                                            for m, r in results["models"].items() if "run" in r), ""]
     lines[1:1] = _kept_said(results)
     timed_elsewhere = {m: r["time_run"] for m, r in results["models"].items() if r.get("time_run")}
@@ -1230,7 +1244,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = run_metadata(command)
     results: dict[str, Any] = dict(meta, git=dict(commit=meta["git_commit"], dirty=meta["git_dirty"]), device=str(device),
                                    gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-                                   host=platform.node(), threads=torch.get_num_threads(), models={},
+                                   host=platform.node(), machine=machine_speed(), threads=torch.get_num_threads(),
+                                   models={},
                                    settings=dict(warmup=warmup, steps=args.steps or default_steps,
                                                  model_steps=None if args.quick or args.steps else MODEL_STEPS,
                                                  chunk=args.chunk, explore_steps=explore_steps,
@@ -1311,7 +1326,8 @@ def main(argv: list[str] | None = None) -> int:
         for arm, a in entry["arms"].items():
             if arm != "plain":
                 a["vs_plain"] = compare(plain, a)
-        entry["run"] = dict(command=results["command"], date=results["date"], git=results["git"])
+        entry["run"] = dict(command=results["command"], date=results["date"], git=results["git"],
+                            machine=results["machine"])
         results["models"][name] = entry
         print(markdown(dict(results, models={name: entry})), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -81,6 +81,49 @@ def cpu_description() -> str:
     return f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores"
 
 
+def machine_speed(read_mb: int = 128, repeats: int = 5) -> dict[str, Any]:
+    """How fast this host runs the two kinds of work a training step's overhead is made of, so that
+    figures from two hosts can be told apart: ``python_ns`` (one iteration of a plain Python loop
+    adding to a local, in ns: the trainer's bookkeeping scales with it) and ``read_gb_s`` (one
+    thread's ``sum`` over a ``read_mb`` MB float32 tensor, in GB/s: the guard's pass over the
+    gradients and a snapshot's copy scale with it), each the median of ``repeats``; ``cpu``, the
+    processor's model name. Two of this project's CI hosts of one model name differed 2.3x in the
+    first and ~3x in the second. Takes about a second."""
+    def python_loop() -> float:
+        started, total = time.perf_counter_ns(), 0
+        for i in range(200_000):
+            total += i
+        return (time.perf_counter_ns() - started) / 200_000
+
+    data = torch.ones(read_mb * 2**20 // 4, dtype=torch.float32)
+
+    def read() -> float:
+        started = time.perf_counter()
+        data.sum().item()
+        return data.numel() * 4 / (time.perf_counter() - started) / 1e9
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        read()  # pages the tensor in
+        reads = [read() for _ in range(repeats)]
+    finally:
+        torch.set_num_threads(threads)
+    return dict(cpu=_cpu_model_name(), cores=os.cpu_count(),
+                python_ns=round(statistics.median(python_loop() for _ in range(repeats)), 2),
+                read_gb_s=round(statistics.median(reads), 2))
+
+
+def _cpu_model_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def run_metadata(command: str, **extra: Any) -> dict[str, Any]:
     """What every result file written by ``bench`` and ``experiments`` records about its run:
     ``command`` (how to reproduce it), ``date`` (UTC, ISO 8601), ``git_commit`` and ``git_dirty``

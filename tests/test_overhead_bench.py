@@ -189,6 +189,11 @@ def test_quick_run_reports_every_arm_with_ratios_from_its_measurements(tmp_path)
                           "--memory-steps", "25", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "overhead_quick.json").read_text())
     assert results["git"]["commit"] and isinstance(results["git"]["dirty"], bool)
+    # The host's speed, per run too: figures of models merged from two hosts are told apart.
+    machine = results["machine"]
+    assert machine["python_ns"] > 0 and machine["read_gb_s"] > 0 and machine["cores"] >= 1
+    assert results["models"]["tiny"]["run"]["machine"] == machine
+    assert f"one thread reads {machine['read_gb_s']:.1f} GB/s" in (tmp_path / "overhead_quick.md").read_text()
     arms = results["models"]["tiny"]["arms"]
     assert list(arms) == [*overhead.ARMS, overhead.GUARD_FLOOR, overhead.LEAN_PLAIN]
     # Timed only: the plain loop plus a norm and its read; the plain loop making the trainer's two calls.
@@ -464,3 +469,18 @@ def test_a_model_with_a_batch_count_of_its_own_gets_it_unless_batches_is_given(m
             overhead.main([*argv, "--out", str(tmp_path)])
     assert built == [("fashion", overhead.MODEL_BATCHES["fashion"]), ("fashion", 32), ("tiny", 64)]
     assert overhead.MODEL_BATCHES["fashion"] == 60_000 // 128  # one epoch of the training set, batches of 128
+
+
+def test_machine_speed_tells_a_slower_python_and_a_slower_memory_apart(monkeypatch):
+    from bench import protocol
+
+    fast = protocol.machine_speed(read_mb=8, repeats=3)
+    assert fast["python_ns"] > 0 and fast["read_gb_s"] > 0 and fast["cpu"]
+    # A host whose clock runs 3x faster than the work: every figure measures 3x slower.
+    real = protocol.time.perf_counter_ns
+    monkeypatch.setattr(protocol.time, "perf_counter_ns", lambda: 3 * real())
+    slow_python = protocol.machine_speed(read_mb=8, repeats=3)["python_ns"]
+    assert slow_python > 2 * fast["python_ns"]
+    assert overhead._machine_said(None) == ""
+    said = overhead._machine_said(fast)
+    assert f"{fast['cores']} cores" in said and f"{fast['python_ns']:.0f} ns" in said
