@@ -72,8 +72,8 @@ Writes ``<out>/overhead.{json,md}`` (``overhead_quick`` with ``--quick``; ``_cud
 each recording the git commit and whether the tree was dirty, and per model the host's speed
 (:func:`bench.protocol.machine_speed`: a Python loop step and one thread's memory read). The
 trainer's bookkeeping scales with the first and its pass over the gradients with the second, and
-this project's CI hosts of one CPU model differed 2.3x and ~3x in them, so figures merged from two
-hosts (``--merge``) say which host each came from.
+two of this project's CI hosts of one CPU model differed 2.3x in the first, so figures merged from
+two hosts (``--merge``) say which host each came from.
 """
 from __future__ import annotations
 

@@ -88,7 +88,7 @@ def machine_speed(read_mb: int = 128, repeats: int = 5) -> dict[str, Any]:
     thread's ``sum`` over a ``read_mb`` MB float32 tensor, in GB/s: the guard's pass over the
     gradients and a snapshot's copy scale with it), each the median of ``repeats``; ``cpu``, the
     processor's model name. Two of this project's CI hosts of one model name differed 2.3x in the
-    first and ~3x in the second. Takes about a second."""
+    first. Takes about a second."""
     def python_loop() -> float:
         started, total = time.perf_counter_ns(), 0
         for i in range(200_000):
