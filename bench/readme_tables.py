@@ -146,6 +146,19 @@ def _overhead_rows() -> list[tuple[str, str, str]]:
     def commands(runs) -> str:  # a file merged from several runs: each run's command, in model order
         return " ".join(f"`{c}`" for c in dict.fromkeys(r["command"] for r in runs))
 
+    def hosts() -> str:  # models timed on hosts of different speed (bench.overhead records it per run)
+        machines = {m: (data["models"][m].get("time_run") or data["models"][m].get("run") or {}).get("machine")
+                    for m in models}
+        groups: dict[str, list[str]] = {}
+        for m, machine in machines.items():
+            said = ("a host whose speed was not recorded" if not machine else
+                    f"a host whose Python loop step takes {machine['python_ns']:.0f} ns and whose one thread reads "
+                    f"{machine['read_gb_s']:.1f} GB/s")
+            groups.setdefault(said, []).append(OVERHEAD_MODELS[m])
+        if len(groups) < 2:
+            return ""
+        return "; timed on " + " and ".join(f"{said} ({' / '.join(names)})" for said, names in groups.items())
+
     entries = [data["models"][m] for m in models]
     time_cmd = commands(e.get("time_run") or e.get("run") or data for e in entries)
     cmd = commands(e.get("run") or data for e in entries)
@@ -171,7 +184,7 @@ def _overhead_rows() -> list[tuple[str, str, str]]:
             f"+{' / '.join(format(a[FLOOR]['vs_plain']['overhead_us'], '.0f') for a in models.values() if FLOOR in a)} µs "
             f"({' / '.join(OVERHEAD_MODELS[m] for m, a in models.items() if FLOOR in a)})"
             if any(FLOOR in a for a in models.values()) else "")
-         + lean_calls(), time_cmd),
+         + lean_calls() + hosts(), time_cmd),
         (f"Peak training memory next to the plain loop ({' / '.join(OVERHEAD_MODELS[m] for m in sized)})",
          f"`predict=False` {memory('predict=False')}; default config {memory('default')} (goals 1.03× and 1.10×; "
          f"T: exact peak of live tensor bytes, where peak RSS moves more between runs than 3% of the plain "

@@ -1,5 +1,6 @@
 """The README and docs stay true: the quick start runs, the result tables match the result JSON,
 every relative link resolves, and no text points outside the repository or at issue numbers."""
+import json
 import re
 import subprocess
 import sys
@@ -69,3 +70,21 @@ def test_no_references_outside_the_repository_or_to_issue_numbers():
     hits = [f"{f.relative_to(ROOT)}:{n}: {line.strip()[:100]}" for f in files if f.name != "test_readme.py"
             for n, line in enumerate(f.read_text().splitlines(), 1) if pattern.search(line)]
     assert not hits, "\n".join(hits)
+
+
+def test_the_overhead_row_says_which_host_timed_which_model_when_hosts_differ(tmp_path, monkeypatch):
+    from bench import readme_tables
+
+    data = json.loads((readme_tables.RESULTS / "overhead.json").read_text())
+    for model in data["models"].values():
+        model.pop("time_run", None)
+        model["run"].pop("machine", None)
+    slow = dict(cpu="AMD EPYC", cores=2, python_ns=39.5, read_gb_s=11.8)
+    (tmp_path / "overhead.json").write_text(json.dumps(data))
+    monkeypatch.setattr(readme_tables, "RESULTS", tmp_path)
+    assert "timed on" not in readme_tables._overhead_rows()[0][1]  # one host (none recorded): nothing to tell apart
+    data["models"]["tiny"]["run"]["machine"] = slow
+    (tmp_path / "overhead.json").write_text(json.dumps(data))
+    said = readme_tables._overhead_rows()[0][1]
+    assert ("timed on a host whose Python loop step takes 40 ns and whose one thread reads 11.8 GB/s "
+            "(tiny MLP (fixed cost)) and a host whose speed was not recorded (1 ms MLP / ") in said
