@@ -146,18 +146,18 @@ def _overhead_rows() -> list[tuple[str, str, str]]:
     def commands(runs) -> str:  # a file merged from several runs: each run's command, in model order
         return " ".join(f"`{c}`" for c in dict.fromkeys(r["command"] for r in runs))
 
-    def hosts() -> str:  # models timed on hosts of different speed (bench.overhead records it per run)
+    def hosts() -> str:  # each run's host speed (bench.overhead records it), where the models' runs differ
         machines = {m: (data["models"][m].get("time_run") or data["models"][m].get("run") or {}).get("machine")
                     for m in models}
         groups: dict[str, list[str]] = {}
         for m, machine in machines.items():
-            said = ("a host whose speed was not recorded" if not machine else
-                    f"a host whose Python loop step takes {machine['python_ns']:.0f} ns and whose one thread reads "
-                    f"{machine['read_gb_s']:.1f} GB/s")
+            said = ("not recorded" if not machine else
+                    f"{machine['python_ns']:.0f} ns, {machine['read_gb_s']:.1f} GB/s")
             groups.setdefault(said, []).append(OVERHEAD_MODELS[m])
         if len(groups) < 2:
             return ""
-        return "; timed on " + " and ".join(f"{said} ({' / '.join(names)})" for said, names in groups.items())
+        return ("; the host's speed when each was timed (a Python loop step, one thread's memory read): "
+                + "; ".join(f"{said} ({' / '.join(names)})" for said, names in groups.items()))
 
     entries = [data["models"][m] for m in models]
     time_cmd = commands(e.get("time_run") or e.get("run") or data for e in entries)

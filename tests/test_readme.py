@@ -82,9 +82,9 @@ def test_the_overhead_row_says_which_host_timed_which_model_when_hosts_differ(tm
     slow = dict(cpu="AMD EPYC", cores=2, python_ns=39.5, read_gb_s=11.8)
     (tmp_path / "overhead.json").write_text(json.dumps(data))
     monkeypatch.setattr(readme_tables, "RESULTS", tmp_path)
-    assert "timed on" not in readme_tables._overhead_rows()[0][1]  # one host (none recorded): nothing to tell apart
+    assert "the host's speed" not in readme_tables._overhead_rows()[0][1]  # no run recorded its host: nothing to tell apart
     data["models"]["tiny"]["run"]["machine"] = slow
     (tmp_path / "overhead.json").write_text(json.dumps(data))
     said = readme_tables._overhead_rows()[0][1]
-    assert ("timed on a host whose Python loop step takes 40 ns and whose one thread reads 11.8 GB/s "
-            "(tiny MLP (fixed cost)) and a host whose speed was not recorded (1 ms MLP / ") in said
+    assert ("the host's speed when each was timed (a Python loop step, one thread's memory read): "
+            "40 ns, 11.8 GB/s (tiny MLP (fixed cost)); not recorded (1 ms MLP / ") in said
