@@ -61,6 +61,10 @@ the same initial weights, the same batches in the same order and the same seed.
   the tensor peak does not move. The memory ratio is the RSS one where the plain loop's peak RSS
   is at least ``RSS_RESOLVES_BYTES``, the tensor one below.
 
+``--slices N`` splits each round's chunks into N turns per arm (``chunk / N`` steps each; each
+arm's chunk is still one good-state period of its own steps), so that the arms' chunks span the
+same stretch of the round: a host whose speed drifts within a round then slows them alike.
+
 ``--memory-only`` re-measures memory and keeps each model's time figures from the existing
 results file (the report says which run they came from). ``--arms A [B ...]`` times only those
 arms beside the plain loop (more rounds of one arm, say) and keeps the model's other arms, its
@@ -501,12 +505,24 @@ def _warm(runner, warmup: int, until_off_max: int) -> int:
     return warmed
 
 
-def _interleave(runners: dict[str, Any], rounds: int, chunk: int, settle: int, progress) -> None:
-    """``rounds`` rounds, each stepping every runner one chunk, the order rotated each round."""
+def _interleave(runners: dict[str, Any], rounds: int, chunk: int, settle: int, progress, slices: int = 1) -> None:
+    """``rounds`` rounds, each stepping every runner one chunk, the order rotated each round.
+
+    ``slices`` > 1: a round steps every runner ``chunk // slices`` steps in turn, ``slices``
+    times, the order rotated each slice. Each runner's chunk is still ``chunk`` consecutive steps
+    of its own (one good-state period, so one snapshot), but the runners' chunks now span the same
+    stretch of the round, so a drift of the host's speed within a round falls on them alike. On
+    this project's second CI host the plain loop's 50-step chunk means on the char-LM ranged
+    98-154 ms within one run, which left a 64-round interval 6.7% of the step wide."""
+    if slices < 1 or chunk % slices or (slices > 1 and settle):
+        raise ValueError(f"slices: a divisor of the chunk ({chunk}) without untimed steps (settle={settle}), "
+                         f"got {slices}")
     names = list(runners)
     for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            runners[name].run(chunk, settle=settle)
+        for s in range(slices):
+            turn = r + s
+            for name in names[turn % len(names):] + names[:turn % len(names)]:
+                runners[name].run(chunk // slices, settle=settle)
         progress.update(1)
 
 
@@ -525,7 +541,7 @@ def _arm_summary(name: str, runner, chunk: int, settle: int, warmed: int,
 def time_interleaved(workload: Workload, device: torch.device, warmup: int, steps: int, chunk: int,
                      progress, separate: bool = False, arms: list[str] | None = None,
                      settle: int = 0, until_off_max: int = UNTIL_OFF_MAX,
-                     in_pairs: bool = False) -> dict[str, dict[str, Any]]:
+                     in_pairs: bool = False, slices: int = 1) -> dict[str, dict[str, Any]]:
     """Per arm (``arms``; every arm and the guard floor by default): step times, the arms
     stepped in interleaved chunks, the order rotated each round; in this process, or each in a
     process of its own (``separate``); ``steps`` timed steps per arm, each chunk's first
@@ -553,9 +569,9 @@ def time_interleaved(workload: Workload, device: torch.device, warmup: int, step
         try:
             warmed = {name: _warm(runner, warmup, until_off_max) for name, runner in runners.items()}
             before = {name: dict(runner.refusals) for name, runner in runners.items()}
-            _interleave(runners, rounds, chunk, settle, progress)
-            return {name: _arm_summary(name, runners[name], chunk, settle, warmed[name], before[name])
-                    for name in names}
+            _interleave(runners, rounds, chunk, settle, progress, slices)
+            return {name: dict(_arm_summary(name, runners[name], chunk, settle, warmed[name], before[name]),
+                               slices=slices) for name in names}
         finally:
             for runner in runners.values():
                 runner.close()
@@ -573,13 +589,14 @@ def time_interleaved(workload: Workload, device: torch.device, warmup: int, step
             try:
                 warmed = _warm(arm, warmup, until_off_max)
                 before, start = dict(arm.refusals), len(plain.times)
-                _interleave({"plain": plain, name: arm}, rounds, chunk, settle, progress)
-                out[name] = _arm_summary(name, arm, chunk, settle, warmed, before)
+                _interleave({"plain": plain, name: arm}, rounds, chunk, settle, progress, slices)
+                out[name] = dict(_arm_summary(name, arm, chunk, settle, warmed, before), slices=slices)
                 out[name]["plain_chunk_means_us"] = _time_summary(
                     plain.times[start:], plain.phases[start:], chunk, settle)["chunk_means_us"]
             finally:
                 arm.close()
-        out["plain"] = dict(_arm_summary("plain", plain, chunk, settle, plain_warmed, plain_before), in_pairs=True)
+        out["plain"] = dict(_arm_summary("plain", plain, chunk, settle, plain_warmed, plain_before), in_pairs=True,
+                            slices=slices)
         return {name: out[name] for name in names}
     finally:
         plain.close()
@@ -1079,10 +1096,12 @@ def _chunks_said(results: dict[str, Any]) -> str:
         t = (r["arms"].get("plain") or {}).get("time") or {}
         if "chunk" in t:
             settle = t.get("settle", 0)
-            said[model] = (f"{settle} untimed + {t['chunk'] - settle}" if settle else f"{t['chunk']}")
-    common = max(set(said.values()), key=list(said.values()).count, default="?")
+            said[model] = (f"{settle} untimed + {t['chunk'] - settle}" if settle else f"{t['chunk']}") + " timed steps"
+            if t.get("slices", 1) > 1:
+                said[model] += f" in {t['slices']} slices between the other arms' (--slices)"
+    common = max(set(said.values()), key=list(said.values()).count, default="? timed steps")
     others = [f"{m}: {v}" for m, v in said.items() if v != common]
-    return f"{common} timed steps" + (f" ({'; '.join(others)})" if others else "")
+    return common + (f" ({'; '.join(others)})" if others else "")
 
 
 _CUDA_MEMORY_SAID = ("Memory, each arm in a fresh process: the peak of the device's caching allocator "
@@ -1193,6 +1212,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk", type=int, default=None,
                         help=f"steps per arm per interleaving round ({PERIOD}, one good-state period; {BIG_CHUNK} "
                              f"for models above {IN_PROCESS_PARAMS // 1_000_000}M parameters, the first untimed)")
+    parser.add_argument("--slices", type=int, default=1,
+                        help="step the arms in turn this many times a round, chunk/slices steps each, so that each "
+                             "arm's chunk (still one period of its own steps) spans the same stretch of the round as "
+                             "the others' (models up to 5M parameters; a divisor of the chunk)")
     parser.add_argument("--memory-steps", type=int, default=None, help="steps per memory run (fresh process)")
     parser.add_argument("--batches", type=int, default=None,
                         help=f"distinct batches, cycled (64; {BIG_BATCHES} for models above "
@@ -1221,6 +1244,8 @@ def main(argv: list[str] | None = None) -> int:
     args.chunk_given, args.batches_given = args.chunk is not None, args.batches is not None
     args.batches = args.batches if args.batches_given else 64
     args.chunk = args.chunk if args.chunk_given else PERIOD
+    if args.slices < 1 or args.chunk % args.slices:
+        parser.error(f"--slices: a divisor of the chunk ({args.chunk} steps), got {args.slices}")
     device = torch.device(args.device)
     if args.fused_adamw:
         os.environ[FUSED_ENV] = "1"  # read by adamw_options, here and in every child
@@ -1248,7 +1273,7 @@ def main(argv: list[str] | None = None) -> int:
                                    models={},
                                    settings=dict(warmup=warmup, steps=args.steps or default_steps,
                                                  model_steps=None if args.quick or args.steps else MODEL_STEPS,
-                                                 chunk=args.chunk, explore_steps=explore_steps,
+                                                 chunk=args.chunk, slices=args.slices, explore_steps=explore_steps,
                                                  memory_steps=memory_steps, batches=args.batches,
                                                  model_batches=None if args.batches_given else MODEL_BATCHES,
                                                  adamw=adamw_options()))
@@ -1299,7 +1324,8 @@ def main(argv: list[str] | None = None) -> int:
             pairs = (len(ARMS) + len(TIMED_ONLY) if names is None else len(names)) - 1 if big else 1
             with tqdm(total=pairs * -(-steps // (chunk - settle)), desc=f"{name}: time", leave=False) as bar:
                 timed = time_interleaved(workload, device, arm_warmup, steps, chunk, bar, separate=big, arms=names,
-                                         settle=settle, until_off_max=explore_steps, in_pairs=big)
+                                         settle=settle, until_off_max=explore_steps, in_pairs=big,
+                                         slices=1 if big else args.slices)
             for arm, t in timed.items():
                 if names is not None and arm != "plain":  # beside kept arms, each against its own run's plain loop
                     t.setdefault("plain_chunk_means_us", timed["plain"]["chunk_means_us"])

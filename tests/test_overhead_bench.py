@@ -484,3 +484,68 @@ def test_machine_speed_tells_a_slower_python_and_a_slower_memory_apart(monkeypat
     assert overhead._machine_said(None) == ""
     said = overhead._machine_said(fast)
     assert f"{fast['cores']} cores" in said and f"{fast['python_ns']:.0f} ns" in said
+
+
+def test_slices_interleave_the_arms_chunks_across_the_round_and_keep_each_chunk_one_period():
+    log = []
+
+    class Runner:
+        def __init__(self, name):
+            self.name, self.steps = name, 0
+
+        def run(self, steps, settle=0):
+            log.append((self.name, steps))
+            self.steps += steps
+
+    class Bar:
+        rounds = 0
+
+        def update(self, n):
+            self.rounds += n
+
+    runners, bar = {n: Runner(n) for n in ("plain", "a", "b")}, Bar()
+    overhead._interleave(runners, 2, 50, 0, bar, slices=5)
+    assert bar.rounds == 2 and all(r.steps == 100 for r in runners.values())
+    assert all(steps == 10 for _, steps in log) and len(log) == 2 * 5 * 3
+    # Every slice steps each arm once, the order rotated slice by slice: within a round each arm's
+    # 50 steps are spread over the whole round instead of one third of it.
+    slices = [[name for name, _ in log[i:i + 3]] for i in range(0, len(log), 3)]
+    assert all(sorted(s) == ["a", "b", "plain"] for s in slices)
+    assert slices[0] != slices[1] and {s[0] for s in slices[:3]} == {"plain", "a", "b"}
+    # Without slices: one chunk per arm per round, as before.
+    log.clear()
+    overhead._interleave(runners, 1, 50, 0, bar)
+    assert log == [("plain", 50), ("a", 50), ("b", 50)]
+    with pytest.raises(ValueError, match="slices"):
+        overhead._interleave(runners, 1, 50, 0, bar, slices=3)  # not a divisor of the chunk
+    with pytest.raises(ValueError, match="slices"):
+        overhead._interleave(runners, 1, 51, 1, bar, slices=3)  # untimed steps per slice are not kept apart
+
+
+def test_a_chunk_run_in_slices_still_times_one_snapshot_per_period_and_the_report_says_so():
+    workload = overhead.make_workload("tiny", 8, torch.device("cpu"))
+    arm = overhead.LocalArm("predict=False", workload, torch.device("cpu"))
+    saved_at, save = [], arm.trainer.guard.good_state.save
+
+    def counting_save(*args, **kwargs):
+        saved_at.append(len(arm.times))
+        return save(*args, **kwargs)
+
+    arm.trainer.guard.good_state.save = counting_save
+    arm.run(7, timed=False)
+    saved_at.clear()
+    for _ in range(4 * 5):  # four chunks of a period, each in five slices (another arm would step in between)
+        arm.run(overhead.PERIOD // 5)
+    per_chunk = [0] * 4
+    for i in saved_at:
+        per_chunk[i // overhead.PERIOD] += 1
+    assert per_chunk == [1, 1, 1, 1]
+    summary = overhead._time_summary(arm.times, arm.phases, overhead.PERIOD)
+    assert len(summary["chunk_means_us"]) == 4
+    said = overhead._chunks_said({"models": {"tiny": {"arms": {"plain": {"time": {"chunk": 50, "slices": 5}}}}}})
+    assert said == "50 timed steps in 5 slices between the other arms' (--slices)"
+
+
+def test_slices_must_divide_the_chunk():
+    with pytest.raises(SystemExit):
+        overhead.main(["--quick", "--models", "tiny", "--chunk", "10", "--slices", "3"])
