@@ -494,6 +494,13 @@ def _check_settle(chunk: int, settle: int) -> None:
         raise ValueError(f"settle: untimed steps per chunk must be in [0, chunk={chunk}), got {settle}")
 
 
+def _check_slices(chunk: int, settle: int, slices: int) -> None:
+    """Slices split a chunk evenly and have no untimed steps of their own (:func:`_interleave`)."""
+    if slices < 1 or chunk % slices or (slices > 1 and settle):
+        raise ValueError(f"slices: a divisor of the chunk ({chunk}) without untimed steps (settle={settle}), "
+                         f"got {slices}")
+
+
 def _warm(runner, warmup: int, until_off_max: int) -> int:
     """Run ``runner`` ``warmup`` steps untimed, then on (untimed) while its prediction can still
     run, at most ``until_off_max`` steps more. Returns the steps it ran."""
@@ -514,9 +521,7 @@ def _interleave(runners: dict[str, Any], rounds: int, chunk: int, settle: int, p
     stretch of the round, so a drift of the host's speed within a round falls on them alike. On
     this project's second CI host the plain loop's 50-step chunk means on the char-LM ranged
     98-154 ms within one run, which left a 64-round interval 6.7% of the step wide."""
-    if slices < 1 or chunk % slices or (slices > 1 and settle):
-        raise ValueError(f"slices: a divisor of the chunk ({chunk}) without untimed steps (settle={settle}), "
-                         f"got {slices}")
+    _check_slices(chunk, settle, slices)
     names = list(runners)
     for r in range(rounds):
         for s in range(slices):
@@ -527,11 +532,12 @@ def _interleave(runners: dict[str, Any], rounds: int, chunk: int, settle: int, p
 
 
 def _arm_summary(name: str, runner, chunk: int, settle: int, warmed: int,
-                 refusals_before: dict[str, int]) -> dict[str, Any]:
+                 refusals_before: dict[str, int], slices: int = 1) -> dict[str, Any]:
     """Arm ``name``'s time summary (:func:`_time_summary`), with its
-    warm-up steps and the guard's refusals while timed: a rollback reads the good state back
-    (and the steps it discards were still paid for), which the plain loop never does."""
-    out = dict(_time_summary(runner.times, runner.phases, chunk, settle), warmup_steps=warmed)
+    warm-up steps, the slices its chunks were stepped in (:func:`_interleave`) and the guard's
+    refusals while timed: a rollback reads the good state back (and the steps it discards were
+    still paid for), which the plain loop never does."""
+    out = dict(_time_summary(runner.times, runner.phases, chunk, settle), warmup_steps=warmed, slices=slices)
     out["refusals"] = {k: v - refusals_before[k] for k, v in runner.refusals.items()}
     if ARMS.get(name) is not None:  # a trainer arm with a config
         out["prediction_enabled_at_end"] = runner.prediction_enabled
@@ -570,8 +576,8 @@ def time_interleaved(workload: Workload, device: torch.device, warmup: int, step
             warmed = {name: _warm(runner, warmup, until_off_max) for name, runner in runners.items()}
             before = {name: dict(runner.refusals) for name, runner in runners.items()}
             _interleave(runners, rounds, chunk, settle, progress, slices)
-            return {name: dict(_arm_summary(name, runners[name], chunk, settle, warmed[name], before[name]),
-                               slices=slices) for name in names}
+            return {name: _arm_summary(name, runners[name], chunk, settle, warmed[name], before[name], slices)
+                    for name in names}
         finally:
             for runner in runners.values():
                 runner.close()
@@ -590,13 +596,13 @@ def time_interleaved(workload: Workload, device: torch.device, warmup: int, step
                 warmed = _warm(arm, warmup, until_off_max)
                 before, start = dict(arm.refusals), len(plain.times)
                 _interleave({"plain": plain, name: arm}, rounds, chunk, settle, progress, slices)
-                out[name] = dict(_arm_summary(name, arm, chunk, settle, warmed, before), slices=slices)
+                out[name] = _arm_summary(name, arm, chunk, settle, warmed, before, slices)
                 out[name]["plain_chunk_means_us"] = _time_summary(
                     plain.times[start:], plain.phases[start:], chunk, settle)["chunk_means_us"]
             finally:
                 arm.close()
-        out["plain"] = dict(_arm_summary("plain", plain, chunk, settle, plain_warmed, plain_before), in_pairs=True,
-                            slices=slices)
+        out["plain"] = dict(_arm_summary("plain", plain, chunk, settle, plain_warmed, plain_before, slices),
+                            in_pairs=True)
         return {name: out[name] for name in names}
     finally:
         plain.close()
@@ -1244,8 +1250,10 @@ def main(argv: list[str] | None = None) -> int:
     args.chunk_given, args.batches_given = args.chunk is not None, args.batches is not None
     args.batches = args.batches if args.batches_given else 64
     args.chunk = args.chunk if args.chunk_given else PERIOD
-    if args.slices < 1 or args.chunk % args.slices:
-        parser.error(f"--slices: a divisor of the chunk ({args.chunk} steps), got {args.slices}")
+    try:
+        _check_slices(args.chunk, 0, args.slices)  # before any model is built
+    except ValueError as error:
+        parser.error(f"--{error}")
     device = torch.device(args.device)
     if args.fused_adamw:
         os.environ[FUSED_ENV] = "1"  # read by adamw_options, here and in every child

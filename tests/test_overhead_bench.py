@@ -471,7 +471,7 @@ def test_a_model_with_a_batch_count_of_its_own_gets_it_unless_batches_is_given(m
     assert overhead.MODEL_BATCHES["fashion"] == 60_000 // 128  # one epoch of the training set, batches of 128
 
 
-def test_machine_speed_tells_a_slower_python_and_a_slower_memory_apart(monkeypatch):
+def test_machine_speed_reads_a_slower_python_loop_as_slower_and_the_report_says_it(monkeypatch):
     from bench import protocol
 
     fast = protocol.machine_speed(read_mb=8, repeats=3)
