@@ -250,16 +250,23 @@ def _arm_step(arm: str, workload: Workload, device: torch.device, seed: int = 0)
     model = workload.make_model(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=workload.lr, **adamw_options())
     if arm == GUARD_FLOOR:
+        from hybrid_trainer.step_guard import DOT_DTYPES, squares_by_dots
+
         params = [p for p in model.parameters() if p.requires_grad]
+        dtype = params[0].dtype
+        by_dots = device.type == "cpu" and dtype in DOT_DTYPES and all(p.dtype == dtype for p in params)
 
         def floor(batch) -> None:
             optimizer.zero_grad(set_to_none=True)
             loss = workload.loss_fn(model, batch)
             loss.backward()
-            # The cheapest exact read on a CPU: one multi-tensor norm, its values read one by one
-            # and combined on the host (as StepGuard.read_step_values does).
-            norms = torch._foreach_norm([p.grad for p in params])
-            if math.isfinite(loss.item()) and math.isfinite(math.fsum([n.item() ** 2 for n in norms])):
+            # The cheapest exact read of the gradients' squares (as StepGuard.read_step_values
+            # does): on a CPU one dot product per gradient, else one multi-tensor norm, read
+            # value by value and combined on the host.
+            grads = [p.grad for p in params]
+            squares = (squares_by_dots(grads) if by_dots else
+                       math.fsum([n.item() ** 2 for n in torch._foreach_norm(grads)]))
+            if math.isfinite(loss.item()) and math.isfinite(squares):
                 optimizer.step()
         return floor, None, model
     if arm == LEAN_PLAIN:

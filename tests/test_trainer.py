@@ -873,6 +873,49 @@ def test_grad_norm_matches_torch_and_reports_non_finite():
     assert math.isnan(float(grad_norm_tensor(grads)))
 
 
+def test_squares_by_dots_is_the_sum_of_squares_and_reports_non_finite():
+    from hybrid_trainer.step_guard import squares_by_dots
+
+    torch.manual_seed(0)
+    for dtype, rel in ((torch.float32, 1e-6), (torch.float64, 1e-14)):
+        grads = [torch.randn(300, 70, dtype=dtype), torch.randn(5, dtype=dtype), torch.randn(2, 3, 4, dtype=dtype)]
+        exact = math.fsum(float(g.double().pow(2).sum()) for g in grads)
+        assert squares_by_dots(grads) == pytest.approx(exact, rel=rel)
+        grads[1][2] = float("inf")
+        assert squares_by_dots(grads) == float("inf")
+        grads[0][0, 0] = float("nan")
+        assert math.isnan(squares_by_dots(grads))
+    with pytest.raises(RuntimeError):  # not viewable as a vector: the guard's read takes _foreach_norm instead
+        squares_by_dots([torch.randn(70, 30).t()])
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_cpu_guard_reads_the_norm_by_dots_or_falls_back_exactly(stream, contiguous):
+    """On a CPU the per-step read takes each float32 gradient's square from a dot product; a
+    gradient that is not viewable as a vector (a transposed weight's) sends the read to the
+    per-tensor norms, whose value it then is exactly."""
+    from hybrid_trainer.run_report import global_norm
+    from hybrid_trainer.step_guard import squares_by_dots
+
+    model = mlp(0)
+    if not contiguous:  # the same values in a transposed layout: dense, not viewable as a vector
+        model[0].weight = torch.nn.Parameter(model[0].weight.detach().t().contiguous().t())
+    trainer = HybridTrainer(model, torch.optim.AdamW(model.parameters(), lr=0.05), cross_entropy,
+                            config=HybridConfig(**{**FAST, "predict": False}))
+    assert trainer.guard._grads_by_dots
+    loss = cross_entropy(model, stream[0])
+    loss.backward()
+    grads = [p.grad for p in trainer.params]
+    assert grads[0].is_contiguous() is contiguous
+    total, norm = trainer.guard.read_step_values(loss)
+    per_tensor = global_norm([n.item() for n in torch._foreach_norm(grads)])
+    assert total == loss.item()
+    if contiguous:
+        assert norm == math.sqrt(squares_by_dots(grads)) and norm == pytest.approx(per_tensor, rel=1e-6)
+    else:
+        assert norm == per_tensor
+
+
 def test_weight_average_follows_real_steps_and_is_only_swapped_in_for_evaluation(stream):
     """The averaged trainer trains exactly like the plain loop (the average never feeds back);
     ``averaged_weights()`` shows the lag-corrected average of the real iterates, then the
