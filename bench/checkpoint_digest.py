@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             times["plain load"].append(_timed(lambda: torch.load(plain_path, weights_only=True)))
             times["digest load"].append(_timed(lambda: checkpoint.load(digest_path)))
     medians = {name: statistics.median(values) for name, values in times.items()}
-    command = "python -m bench.checkpoint_digest " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m bench.checkpoint_digest " + shlex.join(sys.argv[1:] if argv is None else argv)
     results = run_metadata(command, state_mib=size_mib, median_s=medians, all_s=times,
                    extra_s={op: medians[f"digest {op}"] - medians[f"plain {op}"] for op in ("save", "load")})
     commit = (results["git_commit"] or "?")[:10]

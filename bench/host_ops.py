@@ -29,6 +29,7 @@ import collections
 import contextlib
 import dataclasses
 import json
+import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -215,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("docs/results"))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    command = "python -m bench.host_ops " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m bench.host_ops " + shlex.join(sys.argv[1:] if argv is None else argv)
     results = dict(run_metadata(command), tasks={})
     for name in args.tasks:
         task = get_task(name, quick=args.quick)

@@ -88,6 +88,7 @@ import math
 import os
 import platform
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -1280,7 +1281,7 @@ def main(argv: list[str] | None = None) -> int:
     default_steps = 20 if args.quick else 8 * PERIOD
     explore_steps = args.explore_steps if args.explore_steps is not None else (40 if args.quick else 400)
     memory_steps = args.memory_steps if args.memory_steps is not None else (30 if args.quick else 120)
-    command = "python -m bench.overhead " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m bench.overhead " + shlex.join(sys.argv[1:] if argv is None else argv)
     meta = run_metadata(command)
     results: dict[str, Any] = dict(meta, git=dict(commit=meta["git_commit"], dirty=meta["git_dirty"]), device=str(device),
                                    gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None,

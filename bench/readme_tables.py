@@ -160,8 +160,12 @@ def _overhead_rows() -> list[tuple[str, str, str]]:
                 + "; ".join(f"{said} ({' / '.join(names)})" for said, names in groups.items()))
 
     entries = [data["models"][m] for m in models]
-    time_cmd = commands(e.get("time_run") or e.get("run") or data for e in entries)
-    cmd = commands(e.get("run") or data for e in entries)
+    # A model timed with --arms keeps its other arms' times (each with the run that timed it,
+    # ``time_run``) and its memory figures and exploration (``memory_run``) from earlier runs.
+    time_cmd = commands(run for e in entries for run in
+                        [e.get("time_run") or e.get("run") or data]
+                        + [a["time"]["time_run"] for a in e["arms"].values() if "time_run" in a.get("time", {})])
+    cmd = commands(e.get("memory_run") or e.get("run") or data for e in entries)
     explored = {m: data["models"][m]["exploration"] for m in models if data["models"][m].get("exploration")}
     exploration_rows = [] if not explored else [
         (f"The default config while it finds out whether prediction pays, from the first step until the gate "
@@ -171,17 +175,17 @@ def _overhead_rows() -> list[tuple[str, str, str]]:
          + "× the plain loop's time over them (" + " / ".join(f"{e['extra_s']:+.2f}" for e in explored.values())
          + " s in all" + "".join(f"; the {OVERHEAD_MODELS[m]}'s over its timed steps, the first of each chunk of "
                                  f"{e['chunk']} untimed" for m, e in explored.items() if e.get("settle"))
-         + "); after that it steps as with prediction off (the row above)", time_cmd)]
+         + "); after that it steps as with prediction off (the row above)", cmd)]
     rows = [
         (f"The trainer's cost per step next to the plain loop, prediction off ({names})",
-         f"+{vs('predict=False', 'overhead_us', '.0f')} µs, i.e. {vs('predict=False', 'time_ratio', '.3f')}× "
+         f"{vs('predict=False', 'overhead_us', '+.0f')} µs, i.e. {vs('predict=False', 'time_ratio', '.3f')}× "
          f"(goal: ≤ 50 µs, ≤ 1.02× on steps of 5 ms or more; {verdicts()})"
          + (f"; reading the guard's values every 16 steps (`read_every=16`, a GPU's default) "
-            f"+{vs('predict=False, read_every=16', 'overhead_us', '.0f')} µs"
+            f"{vs('predict=False, read_every=16', 'overhead_us', '+.0f')} µs"
             if all("overhead_us" in (a.get("predict=False, read_every=16") or {}).get("vs_plain", {})
                    for a in models.values()) else "")  # timed (a --memory-only run keeps older time figures)
          + (f"; the floor of any per-step NaN guard (the plain loop + the gradient norm and its read) "
-            f"+{' / '.join(format(a[FLOOR]['vs_plain']['overhead_us'], '.0f') for a in models.values() if FLOOR in a)} µs "
+            f"{' / '.join(format(a[FLOOR]['vs_plain']['overhead_us'], '+.0f') for a in models.values() if FLOOR in a)} µs "
             f"({' / '.join(OVERHEAD_MODELS[m] for m, a in models.items() if FLOOR in a)})"
             if any(FLOOR in a for a in models.values()) else "")
          + lean_calls() + hosts(), time_cmd),

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 import time
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(gap < 0 for gap in args.idle):
         parser.error(f"--idle: seconds >= 0, got {args.idle}")
     torch.set_num_threads(1)
-    command = "python -m bench.snapshot_file " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m bench.snapshot_file " + shlex.join(argv if argv is not None else sys.argv[1:])
     results = dict(run_metadata(command), damon_schemes=damon_schemes(),
                    result=measure(args.model, args.idle, args.repeats))
     args.out.mkdir(parents=True, exist_ok=True)

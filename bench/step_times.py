@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    step {r['step']:4d} {r['phase']:8s} {r['ms']:9.2f} ms  kernels compiled {r['kernels_compiled']}")
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"step_times_{args.task}_{args.device}.json"
-    path.write_text(json.dumps(dict(run_metadata("python -m bench.step_times " + " ".join(argv or sys.argv[1:])),
+    path.write_text(json.dumps(dict(run_metadata("python -m bench.step_times " + shlex.join(argv or sys.argv[1:])),
                                     device=args.device, task=args.task, preset=args.preset, lr=lr,
                                     triton_cache_dir=None if cache_dir is None else str(cache_dir), runs=runs),
                                indent=1))

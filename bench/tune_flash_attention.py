@@ -23,6 +23,7 @@ import importlib
 import itertools
 import json
 import math
+import shlex
 import sys
 from pathlib import Path
 
@@ -179,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     tag, name = device_tag()
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"flash_tuning_{tag}.json"
-    meta = run_metadata("python -m bench.tune_flash_attention " + " ".join(sys.argv[1:] if argv is None else argv),
+    meta = run_metadata("python -m bench.tune_flash_attention " + shlex.join(sys.argv[1:] if argv is None else argv),
                         timer="triton.testing.do_bench_cudagraph (device time, median)", device=name,
                         triton=__import__("triton").__version__)
     results = []

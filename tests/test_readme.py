@@ -88,3 +88,25 @@ def test_the_overhead_row_says_which_host_timed_which_model_when_hosts_differ(tm
     said = readme_tables._overhead_rows()[0][1]
     assert ("the host's speed when each was timed (a Python loop step, one thread's memory read): "
             "40 ns, 11.8 GB/s (tiny MLP (fixed cost)); not recorded (1 ms MLP / ") in said
+
+
+def test_the_overhead_rows_name_every_run_their_figures_came_from_and_sign_each_figure(tmp_path, monkeypatch):
+    """A model timed with ``--arms`` keeps its other arms' times and its memory figures from
+    earlier runs: the time row names the runs that timed the kept arms, the memory and
+    exploration rows the run that measured memory; every figure in µs carries its own sign."""
+    from bench import readme_tables
+
+    data = json.loads((readme_tables.RESULTS / "overhead.json").read_text())
+    fashion = data["models"]["fashion"]
+    fashion["arms"]["default"]["time"]["time_run"] = dict(command="python -m bench.overhead --kept-arm-run")
+    fashion["memory_run"] = dict(command="python -m bench.overhead --memory-run")
+    fashion["arms"]["predict=False, read_every=16"]["vs_plain"]["overhead_us"] = -12.0
+    (tmp_path / "overhead.json").write_text(json.dumps(data))
+    monkeypatch.setattr(readme_tables, "RESULTS", tmp_path)
+    rows = {what.split(" (")[0]: (figure, command) for what, figure, command in readme_tables._overhead_rows()}
+    time_figure, time_command = rows["The trainer's cost per step next to the plain loop, prediction off"]
+    assert "--kept-arm-run" in time_command and "--memory-run" not in time_command
+    assert "--memory-run" in rows["Peak training memory next to the plain loop"][1]
+    exploration = [c for what, (_, c) in rows.items() if what.startswith("The default config while")]
+    assert exploration and "--memory-run" in exploration[0]
+    assert "+-" not in time_figure and " / -12 / " in time_figure
