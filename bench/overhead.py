@@ -251,19 +251,18 @@ def _arm_step(arm: str, workload: Workload, device: torch.device, seed: int = 0)
     model = workload.make_model(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=workload.lr, **adamw_options())
     if arm == GUARD_FLOOR:
-        from hybrid_trainer.step_guard import DOT_DTYPES, squares_by_dots
+        from hybrid_trainer.step_guard import read_by_dots, squares_by_dots
 
         params = [p for p in model.parameters() if p.requires_grad]
-        dtype = params[0].dtype
-        by_dots = device.type == "cpu" and dtype in DOT_DTYPES and all(p.dtype == dtype for p in params)
+        by_dots = read_by_dots(params)
 
         def floor(batch) -> None:
             optimizer.zero_grad(set_to_none=True)
             loss = workload.loss_fn(model, batch)
             loss.backward()
-            # The cheapest exact read of the gradients' squares (as StepGuard.read_step_values
-            # does): on a CPU one dot product per gradient, else one multi-tensor norm, read
-            # value by value and combined on the host.
+            # The cheapest exact read of the gradients' squares, as StepGuard.read_step_values
+            # reads them: on a CPU one dot product per gradient where they are large enough
+            # (read_by_dots), else one multi-tensor norm, read value by value and combined on the host.
             grads = [p.grad for p in params]
             squares = (squares_by_dots(grads) if by_dots else
                        math.fsum([n.item() ** 2 for n in torch._foreach_norm(grads)]))

@@ -63,6 +63,24 @@ def grad_norm_tensor(grads: list[torch.Tensor]) -> torch.Tensor | None:
 
 # Gradient dtypes whose squared norm a CPU takes as one BLAS dot product per gradient (squares_by_dots).
 DOT_DTYPES = (torch.float32, torch.float64)
+# ... where the gradients hold at least this many entries each on average. A dot costs three calls
+# per gradient (view, dot, read) against _foreach_norm's one read per gradient after one call:
+# on the char-LM's 40 gradients (8.7k entries on average) the dots took 169 µs against 141, on a
+# 32-tensor MLP of 64-wide layers they were no faster in the step; on the 1 ms MLP (22k) and
+# Fashion-MNIST (90k) they were faster (squares_by_dots).
+DOTS_FROM_MEAN_NUMEL = 16384
+
+
+def read_by_dots(params: list[torch.Tensor]) -> bool:
+    """Whether a CPU read takes the gradients of ``params`` (the guarded parameters) as
+    :func:`squares_by_dots`: all on the CPU in one dtype of :data:`DOT_DTYPES`, with at least
+    :data:`DOTS_FROM_MEAN_NUMEL` entries each on average."""
+    if not params:
+        return False
+    first = params[0]
+    return (first.device.type == "cpu" and first.dtype in DOT_DTYPES
+            and all(p.device == first.device and p.dtype == first.dtype for p in params)
+            and sum(p.numel() for p in params) >= DOTS_FROM_MEAN_NUMEL * len(params))
 
 
 def squares_by_dots(grads: list[torch.Tensor]) -> float:
@@ -72,9 +90,10 @@ def squares_by_dots(grads: list[torch.Tensor]) -> float:
     with ``fsum``.
 
     Why not ``_foreach_norm``: torch has no multi-tensor CPU kernel for it, so it runs a generic
-    reduction per tensor. In the trainer's step on one core the dots cost 30-60 µs less on the
-    1 ms MLP's 134k gradient entries and ~50 µs less on Fashion-MNIST's
-    (``python -m bench.overhead``), and MKL's dot of a 12.8M-entry gradient was closer to the
+    reduction per tensor. Two trainers, one reading each way, stepped in turn on one core (100
+    and 60 rounds of 50 steps): the dots' steps were 14 µs [-34, +1] shorter on the 1 ms MLP
+    (six gradients, 134k entries) and 92 µs [-137, +8] on Fashion-MNIST (0.54M); on many small
+    gradients they cost more (:data:`DOTS_FROM_MEAN_NUMEL`). MKL's dot of a 12.8M-entry gradient was closer to the
     float64 sum than ``_foreach_norm`` (relative error 3.7e-4 against 1.1e-3). Neither rescales,
     so both give 0 where every square underflows the dtype and Inf where one overflows; a NaN or
     an Inf entry makes the sum non-finite. Raises RuntimeError for a gradient that is not a
@@ -146,7 +165,7 @@ class StepGuard:
         # when a new good state is taken. Needed again before then, the guard raises instead.
         self.stall_restored = False
         self._grads_uniform = False
-        self._grads_by_dots = False  # the read's norm from squares_by_dots (CPU, float32/float64)
+        self._grads_by_dots = False  # the CPU read's squares from squares_by_dots (read_by_dots)
         self._host_values: torch.Tensor | None = None  # pinned landing place of the read (CUDA)
         # Where a read waits for nothing there is nothing to overlap: the device-side skip's extra
         # ops would only add work to every step (a CPU's sub-millisecond MLP steps notice it).
@@ -167,7 +186,7 @@ class StepGuard:
         first = params[0] if params else None
         self._grads_uniform = first is not None and all(p.device == first.device and p.dtype == first.dtype
                                                         for p in params)
-        self._grads_by_dots = self._grads_uniform and first.device.type == "cpu" and first.dtype in DOT_DTYPES
+        self._grads_by_dots = read_by_dots(params)
         self.good_state = make_good_state_store(params, buffers, self.storage, self.config.snapshot_dir)
         self.buffers_before = BufferGuard(buffers)
         self._buffer_slots = list(buffers)

@@ -263,7 +263,7 @@ def test_arms_times_only_the_named_arms_and_keeps_the_rest_against_their_own_pla
     for name in overhead.ARMS:
         assert arms[name]["memory"] == before["arms"][name]["memory"]
     assert after["breakdown"] == before["breakdown"] and after["exploration"] == before["exploration"]
-    assert after["memory_run"] == before["run"] and after["run"]["command"].endswith(overhead.LEAN_PLAIN)
+    assert after["memory_run"] == before["run"] and after["run"]["command"].endswith(f"'{overhead.LEAN_PLAIN}'")
     table = (tmp_path / "overhead_quick.md").read_text()
     assert "tiny: this run timed plain, predict=False, plain, no profiler scopes; memory figures" in table
     assert "; default, weight_average, predict=False, read_every=16, plain + norm and read (guard floor): timed by `python -m bench.overhead" in table

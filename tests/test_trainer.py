@@ -889,6 +889,18 @@ def test_squares_by_dots_is_the_sum_of_squares_and_reports_non_finite():
         squares_by_dots([torch.randn(70, 30).t()])
 
 
+def test_dots_read_large_float_gradients_on_a_cpu_only():
+    from hybrid_trainer.step_guard import DOTS_FROM_MEAN_NUMEL, read_by_dots
+
+    large = list(mlp(0, hidden=2048).parameters())
+    assert read_by_dots(large)
+    assert not read_by_dots(list(mlp(0).parameters()))  # 1.2k entries each on average: _foreach_norm's one call
+    assert not read_by_dots([p.detach().half() for p in large])
+    assert not read_by_dots(large + [torch.zeros(3, dtype=torch.float64)])
+    assert not read_by_dots([])
+    assert read_by_dots([torch.zeros(DOTS_FROM_MEAN_NUMEL)]) and not read_by_dots([torch.zeros(DOTS_FROM_MEAN_NUMEL - 1)])
+
+
 @pytest.mark.parametrize("contiguous", [True, False])
 def test_cpu_guard_reads_the_norm_by_dots_or_falls_back_exactly(stream, contiguous):
     """On a CPU the per-step read takes each float32 gradient's square from a dot product; a
@@ -897,7 +909,7 @@ def test_cpu_guard_reads_the_norm_by_dots_or_falls_back_exactly(stream, contiguo
     from hybrid_trainer.run_report import global_norm
     from hybrid_trainer.step_guard import squares_by_dots
 
-    model = mlp(0)
+    model = mlp(0, hidden=2048)  # 38k entries per gradient on average: read by dots
     if not contiguous:  # the same values in a transposed layout: dense, not viewable as a vector
         model[0].weight = torch.nn.Parameter(model[0].weight.detach().t().contiguous().t())
     trainer = HybridTrainer(model, torch.optim.AdamW(model.parameters(), lr=0.05), cross_entropy,
