@@ -1124,13 +1124,16 @@ _CUDA_MEMORY_SAID = ("Memory, each arm in a fresh process: the peak of the devic
                      "peak on CUDA (the allocator's peak is exact). Ratios = trainer / plain.")
 
 
-def _machine_said(machine: dict[str, Any] | None) -> str:
+def _machine_said(machine: dict[str, Any] | None, after: dict[str, Any] | None = None) -> str:
     """The host's speed (:func:`bench.protocol.machine_speed`) as a clause, empty for results
-    from before it was recorded: figures from hosts that differ in it are not comparable."""
+    from before it was recorded: figures from hosts that differ in it are not comparable.
+    ``after``: the speed measured again once the model's arms were timed, said beside it."""
     if not machine:
         return ""
-    return (f", on {machine['cpu']} ({machine['cores']} cores; a Python loop step {machine['python_ns']:.0f} ns, "
-            f"one thread reads {machine['read_gb_s']:.1f} GB/s)")
+    python_after = "" if not after else f" ({after['python_ns']:.0f} ns after the timing)"
+    read_after = "" if not after else f" ({after['read_gb_s']:.1f} after)"
+    return (f", on {machine['cpu']} ({machine['cores']} cores; a Python loop step {machine['python_ns']:.0f} ns"
+            f"{python_after}, one thread reads {machine['read_gb_s']:.1f} GB/s{read_after})")
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -1140,10 +1143,14 @@ def markdown(results: dict[str, Any]) -> str:
                                                            if "run" in r})))
     fused = " (fused)" if (results.get("settings") or {}).get("adamw", {}).get("fused") else ""
     on_gpu = str(results.get("device", "cpu")).startswith("cuda")
+    # One model from one run: the header says the host's speed after its timing too (with more
+    # models each has its own, said in the Runs line).
+    only = list(results["models"].values())
+    single_after = (only[0].get("run") or {}).get("machine_after_time") if len(only) == 1 else None
     lines = [f"Trainer overhead over the plain AdamW{fused} loop, `{results['command']}` ({results['date']}, commit "
              f"{(results['git']['commit'] or '?')[:10]}{' + uncommitted changes' if results['git']['dirty'] else ''}, "
              f"torch {results['torch']}, {results['device']}, {results['threads']} thread(s)"
-             f"{_machine_said(results.get('machine'))}).", "",
+             f"{_machine_said(results.get('machine'), single_after)}).", "",
              f"Time: median over chunks of {_chunks_said(results)} of the chunk's mean step (each chunk's timed "
              "steps span one good-state period, so each pays one snapshot); "
              "overhead: median over rounds of the arm's chunk mean minus the plain loop's in the same round, with a "
@@ -1165,7 +1172,8 @@ def markdown(results: dict[str, Any]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     if len(runs) > 1:
         lines[1:1] = ["Runs: " + "; ".join(f"{m}: `{r['run']['command']}` at {r['run']['date']}, commit "
-                                           f"{(r['run']['git']['commit'] or '?')[:10]}{_machine_said(r['run'].get('machine'))}"
+                                           f"{(r['run']['git']['commit'] or '?')[:10]}"
+                                           f"{_machine_said(r['run'].get('machine'), r['run'].get('machine_after_time'))}"
                                            for m, r in results["models"].items() if "run" in r), ""]
     lines[1:1] = _kept_said(results)
     timed_elsewhere = {m: r["time_run"] for m, r in results["models"].items() if r.get("time_run")}
@@ -1345,6 +1353,10 @@ def main(argv: list[str] | None = None) -> int:
                 if names is not None and arm != "plain":  # beside kept arms, each against its own run's plain loop
                     t.setdefault("plain_chunk_means_us", timed["plain"]["chunk_means_us"])
                 entry["arms"].setdefault(arm, {})["time"] = t
+            # The host's speed again once the arms are timed: this project's CI hosts drift within the
+            # hour (a Python loop step 37 ns in one run, 64 ns in the next), and the run's start says
+            # nothing of a drift during its timing.
+            machine_after = machine_speed()
             if names is not None:
                 keep_untimed_arms(previous[name], entry, args.arms)
             parts_steps = args.breakdown_steps if args.breakdown_steps is not None else (10 if args.quick else 300)
@@ -1369,6 +1381,8 @@ def main(argv: list[str] | None = None) -> int:
                 a["vs_plain"] = compare(plain, a)
         entry["run"] = dict(command=results["command"], date=results["date"], git=results["git"],
                             machine=results["machine"])
+        if not args.memory_only:
+            entry["run"]["machine_after_time"] = machine_after
         results["models"][name] = entry
         print(markdown(dict(results, models={name: entry})), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -147,12 +147,14 @@ def _overhead_rows() -> list[tuple[str, str, str]]:
         return " ".join(f"`{c}`" for c in dict.fromkeys(r["command"] for r in runs))
 
     def hosts() -> str:  # each run's host speed (bench.overhead records it), where the models' runs differ
-        machines = {m: (data["models"][m].get("time_run") or data["models"][m].get("run") or {}).get("machine")
-                    for m in models}
+        runs = {m: data["models"][m].get("time_run") or data["models"][m].get("run") or {} for m in models}
         groups: dict[str, list[str]] = {}
-        for m, machine in machines.items():
+        for m, run in runs.items():
+            machine, after = run.get("machine"), run.get("machine_after_time")
             said = ("not recorded" if not machine else
-                    f"{machine['python_ns']:.0f} ns, {machine['read_gb_s']:.1f} GB/s")
+                    f"{machine['python_ns']:.0f} ns, {machine['read_gb_s']:.1f} GB/s"
+                    + ("" if not after else
+                       f" (after the timing {after['python_ns']:.0f} ns, {after['read_gb_s']:.1f} GB/s)"))
             groups.setdefault(said, []).append(OVERHEAD_MODELS[m])
         if len(groups) < 2:
             return ""

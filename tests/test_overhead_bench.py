@@ -193,7 +193,12 @@ def test_quick_run_reports_every_arm_with_ratios_from_its_measurements(tmp_path)
     machine = results["machine"]
     assert machine["python_ns"] > 0 and machine["read_gb_s"] > 0 and machine["cores"] >= 1
     assert results["models"]["tiny"]["run"]["machine"] == machine
-    assert f"one thread reads {machine['read_gb_s']:.1f} GB/s" in (tmp_path / "overhead_quick.md").read_text()
+    # ... and again once the model's arms are timed: a host that drifts during the timing shows it.
+    after = results["models"]["tiny"]["run"]["machine_after_time"]
+    assert after["python_ns"] > 0 and after["read_gb_s"] > 0
+    report = (tmp_path / "overhead_quick.md").read_text()
+    assert f"one thread reads {machine['read_gb_s']:.1f} GB/s ({after['read_gb_s']:.1f} after)" in report
+    assert f"a Python loop step {machine['python_ns']:.0f} ns ({after['python_ns']:.0f} ns after the timing)" in report
     arms = results["models"]["tiny"]["arms"]
     assert list(arms) == [*overhead.ARMS, overhead.GUARD_FLOOR, overhead.LEAN_PLAIN]
     # Timed only: the plain loop plus a norm and its read; the plain loop making the trainer's two calls.
@@ -483,7 +488,11 @@ def test_machine_speed_reads_a_slower_python_loop_as_slower_and_the_report_says_
     assert slow_python > 2 * fast["python_ns"]
     assert overhead._machine_said(None) == ""
     said = overhead._machine_said(fast)
-    assert f"{fast['cores']} cores" in said and f"{fast['python_ns']:.0f} ns" in said
+    assert f"{fast['cores']} cores" in said and f"{fast['python_ns']:.0f} ns" in said and "after" not in said
+    slow = dict(fast, python_ns=3 * fast["python_ns"], read_gb_s=fast["read_gb_s"] / 2)
+    said = overhead._machine_said(fast, slow)
+    assert f"{fast['python_ns']:.0f} ns ({slow['python_ns']:.0f} ns after the timing)" in said
+    assert f"{fast['read_gb_s']:.1f} GB/s ({slow['read_gb_s']:.1f} after)" in said
 
 
 def test_slices_interleave_the_arms_chunks_across_the_round_and_keep_each_chunk_one_period():

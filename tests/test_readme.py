@@ -88,6 +88,11 @@ def test_the_overhead_row_says_which_host_timed_which_model_when_hosts_differ(tm
     said = readme_tables._overhead_rows()[0][1]
     assert ("the host's speed when each was timed (a Python loop step, one thread's memory read): "
             "40 ns, 11.8 GB/s (tiny MLP (fixed cost)); not recorded (1 ms MLP / ") in said
+    # A run that measured the host again after its timing: both said, so a drift during it shows.
+    data["models"]["tiny"]["run"]["machine_after_time"] = dict(slow, python_ns=64.2, read_gb_s=8.0)
+    (tmp_path / "overhead.json").write_text(json.dumps(data))
+    said = readme_tables._overhead_rows()[0][1]
+    assert "40 ns, 11.8 GB/s (after the timing 64 ns, 8.0 GB/s) (tiny MLP (fixed cost))" in said
 
 
 def test_the_overhead_rows_name_every_run_their_figures_came_from_and_sign_each_figure(tmp_path, monkeypatch):
