@@ -1326,6 +1326,7 @@ def main(argv: list[str] | None = None) -> int:
         settle = BIG_SETTLE if big and chunk > BIG_SETTLE else 0
         entry: dict[str, Any] = dict(parameters=n_params, details=workload.details, batches=len(workload.batches),
                                      arms={a: {} for a in ARMS})
+        machine_after = None  # the host's speed once the arms are timed (a --memory-only run times none)
         if args.memory_only:  # time figures of the run that measured them, said so
             old = previous[name]
             for arm in [*ARMS, *TIMED_ONLY]:  # an arm the old run did not have stays untimed ("–")
@@ -1381,7 +1382,7 @@ def main(argv: list[str] | None = None) -> int:
                 a["vs_plain"] = compare(plain, a)
         entry["run"] = dict(command=results["command"], date=results["date"], git=results["git"],
                             machine=results["machine"])
-        if not args.memory_only:
+        if machine_after is not None:
             entry["run"]["machine_after_time"] = machine_after
         results["models"][name] = entry
         print(markdown(dict(results, models={name: entry})), flush=True)

@@ -90,14 +90,14 @@ def squares_by_dots(grads: list[torch.Tensor]) -> float:
     with ``fsum``.
 
     Why not ``_foreach_norm``: torch has no multi-tensor CPU kernel for it, so it runs a generic
-    reduction per tensor. Two trainers, one reading each way, stepped in turn on one core (100
+    reduction per tensor. Two trainers, one reading each way, stepped in turn on one core (200
     and 60 rounds of 50 steps): the dots' steps were 14 µs [-34, +1] shorter on the 1 ms MLP
     (six gradients, 134k entries) and 92 µs [-137, +8] on Fashion-MNIST (0.54M); on many small
-    gradients they cost more (:data:`DOTS_FROM_MEAN_NUMEL`). MKL's dot of a 12.8M-entry gradient was closer to the
-    float64 sum than ``_foreach_norm`` (relative error 3.7e-4 against 1.1e-3). Neither rescales,
-    so both give 0 where every square underflows the dtype and Inf where one overflows; a NaN or
-    an Inf entry makes the sum non-finite. Raises RuntimeError for a gradient that is not a
-    contiguous dense tensor (``view(-1)``)."""
+    gradients they cost more (:data:`DOTS_FROM_MEAN_NUMEL`). MKL's dot of a 12.8M-entry gradient
+    was closer to the float64 sum than ``_foreach_norm`` (relative error 3.7e-4 against 1.1e-3).
+    Neither rescales, so both give 0 where every square underflows the dtype and Inf where one
+    overflows; a NaN or an Inf entry makes the sum non-finite. Raises RuntimeError for a gradient
+    that is not a contiguous dense tensor (``view(-1)``)."""
     return math.fsum([torch.dot(flat, flat).item() for flat in [g.view(-1) for g in grads]])
 
 
@@ -242,9 +242,9 @@ class StepGuard:
         Where reads are free (a CPU) and no clipping is asked for, each gradient's norm is read
         and the global norm combined on the host, ``sqrt(fsum(norm_i ** 2))`` in float64: one op
         on the gradients instead of three (``_foreach_norm``, a stack and a norm of it); for
-        float32 and float64 gradients each one's square from a dot product
-        (:func:`squares_by_dots`). A NaN or an Inf in any gradient still makes the norm
-        non-finite."""
+        large float32 and float64 gradients (:func:`read_by_dots`) each one's square from a dot
+        product instead (:func:`squares_by_dots`). A NaN or an Inf in any gradient still makes the
+        norm non-finite."""
         if self.config.grad_clip is not None or not self._grads_uniform or not self.reads_free:
             return self.read_loss_and_norm(loss, self.grad_norm())
         grads = [p.grad for p in self.params if p.grad is not None]
