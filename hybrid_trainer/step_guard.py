@@ -42,9 +42,9 @@ from .config import HybridConfig
 from .deferred_checks import DeferredChecks
 from .divergence import DivergenceMonitor, Severity
 from .errors import TrainingStalledError
+from .gram_norm import GramNorms
 from .optimizer_call import OptimizerStep
 from .resume_check import non_finite_names
-from .run_report import global_norm
 from .user_warning import warn_user
 
 
@@ -167,6 +167,8 @@ class StepGuard:
         self._grads_uniform = False
         self._grads_by_dots = False  # the CPU read's squares from squares_by_dots (read_by_dots)
         self._host_values: torch.Tensor | None = None  # pinned landing place of the read (CUDA)
+        # Large linear layers' squared gradient norms from Gram matrices (gram_norm; CPU steady steps).
+        self.gram: GramNorms | None = None
         # Where a read waits for nothing there is nothing to overlap: the device-side skip's extra
         # ops would only add work to every step (a CPU's sub-millisecond MLP steps notice it).
         self.reads_free = reads_are_free(device)
@@ -187,6 +189,9 @@ class StepGuard:
         self._grads_uniform = first is not None and all(p.device == first.device and p.dtype == first.dtype
                                                         for p in params)
         self._grads_by_dots = read_by_dots(params)
+        self.close()
+        grams = GramNorms(module, params) if module is not None and self.reads_free else None
+        self.gram = grams if grams else None
         self.good_state = make_good_state_store(params, buffers, self.storage, self.config.snapshot_dir)
         self.buffers_before = BufferGuard(buffers)
         self._buffer_slots = list(buffers)
@@ -196,9 +201,27 @@ class StepGuard:
             prefixes = {id(owner): name for name, owner in module.named_modules()}
             self._buffer_names = [f"{prefixes.get(id(owner), '?')}.{name}".lstrip(".") for owner, name in buffers]
 
-    def before_forward(self) -> None:
-        """Called before a real step's forward: keep the buffers it is about to change."""
+    def before_forward(self, gram: bool = False) -> None:
+        """Called before a real step's forward: keep the buffers it is about to change; with
+        ``gram``, a step of one forward and one backward (the trainer's steady step), take the
+        large linear layers' gradient norms from Gram matrices (:mod:`~hybrid_trainer.gram_norm`;
+        :meth:`after_backward` then)."""
         self.buffers_before.before_forward()
+        if self.gram is not None:
+            self.gram.arm(gram)
+
+    def after_backward(self, loss: torch.Tensor) -> None:
+        """Called after the backward of a step begun with ``before_forward(gram=True)``, with its
+        loss (still attached to the graph): keep the squared norms the Grams give for
+        :meth:`read_step_values`."""
+        if self.gram is not None:
+            self.gram.finish(loss)
+
+    def close(self) -> None:
+        """Take the guard's hooks off the model (:mod:`~hybrid_trainer.gram_norm`)."""
+        if self.gram is not None:
+            self.gram.remove()
+            self.gram = None
 
     def defers(self) -> bool:
         """Whether this step's checks may wait for the next read (``read_every`` > 1; not under a
@@ -226,9 +249,10 @@ class StepGuard:
 
     def grad_norms(self) -> list[torch.Tensor] | None:
         """The gradients' norms as 0-d device tensors whose root sum of squares is the global
-        norm (:func:`global_norm`): one per gradient where the gradients share a device and
-        dtype and no clipping is asked for (one op, ``_foreach_norm``, instead of
-        :meth:`grad_norm`'s three), else the one global norm; None without gradients."""
+        norm (:func:`~hybrid_trainer.run_report.global_norm`): one per gradient where the
+        gradients share a device and dtype and no clipping is asked for (one op,
+        ``_foreach_norm``, instead of :meth:`grad_norm`'s three), else the one global norm; None
+        without gradients."""
         if self.config.grad_clip is None and self._grads_uniform:
             grads = [p.grad for p in self.params if p.grad is not None]
             return torch._foreach_norm(grads) if grads else None
@@ -244,22 +268,33 @@ class StepGuard:
         on the gradients instead of three (``_foreach_norm``, a stack and a norm of it); for
         large float32 and float64 gradients (:func:`read_by_dots`) each one's square from a dot
         product instead (:func:`squares_by_dots`). A NaN or an Inf in any gradient still makes the
-        norm non-finite."""
+        norm non-finite. The large linear layers' weight gradients whose squares the Grams of a
+        steady step gave (:meth:`after_backward`, :mod:`~hybrid_trainer.gram_norm`) are not read:
+        those squares are finite only where every entry of the gradient is."""
+        squares = self.gram.take() if self.gram is not None else None
         if self.config.grad_clip is not None or not self._grads_uniform or not self.reads_free:
             return self.read_loss_and_norm(loss, self.grad_norm())
-        grads = [p.grad for p in self.params if p.grad is not None]
         total = loss.item()
         if not math.isfinite(total):
             return total, None
+        if squares:  # the gradients whose squares the Grams gave are not read
+            grads = [p.grad for p in self.params if p.grad is not None and id(p) not in squares]
+            return total, math.sqrt(math.fsum(squares.values()) + self._squares_read(grads))
+        grads = [p.grad for p in self.params if p.grad is not None]
+        return total, math.sqrt(self._squares_read(grads)) if grads else 0.0
+
+    def _squares_read(self, grads: list[torch.Tensor]) -> float:
+        """The sum of the squares of ``grads``' entries, read from them (CPU): by dot products for
+        large gradients (:func:`squares_by_dots`), else one norm per gradient."""
         if not grads:
-            return total, 0.0
+            return 0.0
         if self._grads_by_dots:
             try:
-                return total, math.sqrt(squares_by_dots(grads))
+                return squares_by_dots(grads)
             except RuntimeError:  # a gradient that is not a contiguous dense tensor: read as below
                 pass
         # Per-tensor reads: cheaper than stacking the norms for a read up to 40 tensors and beyond.
-        return total, global_norm([norm.item() for norm in torch._foreach_norm(grads)])
+        return math.fsum([n * n for n in [norm.item() for norm in torch._foreach_norm(grads)]])
 
     def steps_on_device(self, record: bool) -> bool:
         """Whether this step launches its optimizer step before reading the guard's values.

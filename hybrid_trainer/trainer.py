@@ -420,9 +420,10 @@ class HybridTrainer:
         if deferred is not None and not deferring:
             self._settle()  # steps whose checks waited are judged before this one is
         self._clear_stale_grads()
-        guard.before_forward()
+        guard.before_forward(gram=True)  # one forward, one backward: large layers' norms from Grams
         loss = self._loss(batch)
         loss.backward()
+        guard.after_backward(loss)
         stats.backward_passes += 1
         stats.forward_passes += 1
         lrs = tuple([float(group["lr"]) for group in optimizer.param_groups])
@@ -581,6 +582,7 @@ class HybridTrainer:
         """Flush and close the files the trainer writes (JSONL metrics, TensorBoard event file);
         idempotent. Call it when training is done (or use ``with HybridTrainer(...) as trainer``)."""
         self._settle()  # the last steps' checks and metrics records
+        self.guard.close()  # its hooks off the model
         if self.metrics is not None:
             self.metrics.close()
         if self.tensorboard is not None:
