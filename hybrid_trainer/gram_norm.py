@@ -213,8 +213,11 @@ class GramNorms:
 
     def _output_grad(self, index: int, grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
         x = self._inputs.pop(index, None)
+        if x is None:  # a second backward through this output: the weight's gradient is a sum
+            self._sums.pop(index, None)
+            return
         g = grad_outputs[0] if grad_outputs else None
-        if x is None or g is None or g.dtype != x.dtype:
+        if g is None or g.dtype != x.dtype:
             return
         g = g.reshape(-1, g.shape[-1])
         if g.shape[0] != x.shape[0]:

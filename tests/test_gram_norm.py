@@ -159,6 +159,20 @@ def test_non_reentrant_checkpointing_keeps_the_one_use():
     assert squares[id(module.layer.weight)] == pytest.approx(square(module.layer.weight.grad), rel=1e-5)
 
 
+def test_a_second_backward_through_the_layer_makes_it_read():
+    """A loss function that (against its contract) runs a backward of its own before returning:
+    the weight's gradient is then the sum of two backwards, which one pair of Grams cannot give."""
+    layer = nn.Linear(16, 16)
+    grams = GramNorms(layer, list(layer.parameters()), min_entries=0)
+    grams.arm()
+    out = layer(torch.randn(2, 16))
+    out.pow(2).sum().backward(retain_graph=True)
+    loss = out.sum()
+    loss.backward()
+    grams.finish(loss)
+    assert grams.take() == {}
+
+
 def test_the_graph_walk_counts_every_edge_into_a_leaf():
     module = ReusedWeight()
     loss = module(torch.randn(2, 16)).sum()
