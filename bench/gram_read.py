@@ -25,7 +25,6 @@ was lent to another process) and wall time. Writes ``docs/results/gram_read.{jso
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import statistics
 import sys
@@ -35,7 +34,7 @@ from typing import Any
 
 import torch
 
-from .protocol import machine_speed, run_metadata
+from .protocol import machine_speed, run_metadata, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -166,11 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_speed()
     result = measure(make_workload(args.model, 16, torch.device("cpu")), args.steps)
     results = dict(run_metadata(command, machine=machine, machine_after=machine_speed()), result=result)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gram_read.json").write_text(json.dumps(results, indent=1) + "\n")
-    text = markdown(results)
-    (args.out / "gram_read.md").write_text(text)
-    print(text)
+    write_results(args.out, "gram_read", results, markdown(results))
     return 0
 
 

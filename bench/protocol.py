@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import functools
+import json
 import math
 import os
 import platform
@@ -122,6 +123,15 @@ def _cpu_model_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def write_results(out: Path, name: str, results: dict[str, Any], text: str) -> None:
+    """Write a bench's ``results`` to ``out/name.json`` and its report ``text`` to ``out/name.md``
+    (``out`` made if missing), and print the report."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / f"{name}.md").write_text(text)
+    print(text)
 
 
 def run_metadata(command: str, **extra: Any) -> dict[str, Any]:

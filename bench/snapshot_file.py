@@ -17,7 +17,6 @@ wall time. Writes ``docs/results/snapshot_file.{json,md}``.
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import statistics
 import sys
@@ -27,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .protocol import run_metadata
+from .protocol import run_metadata, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 DAMON = Path("/sys/kernel/mm/damon/admin/kdamonds")
@@ -129,11 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m bench.snapshot_file " + shlex.join(argv if argv is not None else sys.argv[1:])
     results = dict(run_metadata(command), damon_schemes=damon_schemes(),
                    result=measure(args.model, args.idle, args.repeats))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "snapshot_file.json").write_text(json.dumps(results, indent=1) + "\n")
-    text = markdown(results)
-    (args.out / "snapshot_file.md").write_text(text)
-    print(text)
+    write_results(args.out, "snapshot_file", results, markdown(results))
     return 0
 
 
