@@ -579,8 +579,10 @@ class HybridTrainer:
 
     # ============================================================================= outputs ====
     def close(self) -> None:
-        """Flush and close the files the trainer writes (JSONL metrics, TensorBoard event file);
-        idempotent. Call it when training is done (or use ``with HybridTrainer(...) as trainer``)."""
+        """Flush and close the files the trainer writes (JSONL metrics, TensorBoard event file)
+        and take the guard's hooks off the model (:mod:`~hybrid_trainer.gram_norm`; a step after
+        this reads every gradient); idempotent. Call it when training is done (or use ``with
+        HybridTrainer(...) as trainer``)."""
         self._settle()  # the last steps' checks and metrics records
         self.guard.close()  # its hooks off the model
         if self.metrics is not None:
