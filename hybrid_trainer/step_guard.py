@@ -169,6 +169,7 @@ class StepGuard:
         self._host_values: torch.Tensor | None = None  # pinned landing place of the read (CUDA)
         # Large linear layers' squared gradient norms from Gram matrices (gram_norm; CPU steady steps).
         self.gram: GramNorms | None = None
+        self.closed = False  # close(): no hooks on the model any more
         # Where a read waits for nothing there is nothing to overlap: the device-side skip's extra
         # ops would only add work to every step (a CPU's sub-millisecond MLP steps notice it).
         self.reads_free = reads_are_free(device)
@@ -189,8 +190,8 @@ class StepGuard:
         self._grads_uniform = first is not None and all(p.device == first.device and p.dtype == first.dtype
                                                         for p in params)
         self._grads_by_dots = read_by_dots(params)
-        self.close()
-        grams = GramNorms(module, params) if module is not None and self.reads_free else None
+        self._drop_gram()
+        grams = GramNorms(module, params) if module is not None and self.reads_free and not self.closed else None
         self.gram = grams if grams else None
         self.good_state = make_good_state_store(params, buffers, self.storage, self.config.snapshot_dir)
         self.buffers_before = BufferGuard(buffers)
@@ -218,7 +219,12 @@ class StepGuard:
             self.gram.finish(loss)
 
     def close(self) -> None:
-        """Take the guard's hooks off the model (:mod:`~hybrid_trainer.gram_norm`)."""
+        """Take the guard's hooks off the model (:mod:`~hybrid_trainer.gram_norm`) for good: from
+        now on every gradient is read."""
+        self.closed = True
+        self._drop_gram()
+
+    def _drop_gram(self) -> None:
         if self.gram is not None:
             self.gram.remove()
             self.gram = None

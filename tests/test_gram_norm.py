@@ -305,6 +305,8 @@ def test_hooks_leave_the_model_with_close_and_with_the_trainer():
     assert len(model[0]._forward_hooks) == 1
     trainer.close()
     assert len(model[0]._forward_hooks) == 0 and trainer.guard.gram is None
+    trainer.guard.retarget(trainer.params, [], model)  # a change of the trained set after close
+    assert len(model[0]._forward_hooks) == 0 and trainer.guard.gram is None
     trainer = HybridTrainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), cross_entropy,
                             HybridConfig(predict=False))
     assert len(model[2]._forward_hooks) == 1
