@@ -44,7 +44,9 @@ def _timed_grams(min_entries: int):
     from hybrid_trainer.gram_norm import GramNorms
 
     class TimedGramNorms(GramNorms):
-        spent = dict(cpu_ms=0.0, wall_ms=0.0)
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.spent = dict(cpu_ms=0.0, wall_ms=0.0)
 
         def _timed(self, method, *args):
             cpu, wall = time.thread_time(), time.perf_counter()

@@ -251,7 +251,7 @@ def _arm_step(arm: str, workload: Workload, device: torch.device, seed: int = 0)
     model = workload.make_model(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=workload.lr, **adamw_options())
     if arm == GUARD_FLOOR:
-        from hybrid_trainer.step_guard import read_by_dots, squares_by_dots
+        from hybrid_trainer.step_guard import read_by_dots, squares_read
 
         params = [p for p in model.parameters() if p.requires_grad]
         by_dots = read_by_dots(params)
@@ -263,10 +263,7 @@ def _arm_step(arm: str, workload: Workload, device: torch.device, seed: int = 0)
             # The cheapest exact read of the gradients' squares, as StepGuard.read_step_values
             # reads them: on a CPU one dot product per gradient where they are large enough
             # (read_by_dots), else one multi-tensor norm, read value by value and combined on the host.
-            grads = [p.grad for p in params]
-            squares = (squares_by_dots(grads) if by_dots else
-                       math.fsum([n.item() ** 2 for n in torch._foreach_norm(grads)]))
-            if math.isfinite(loss.item()) and math.isfinite(squares):
+            if math.isfinite(loss.item()) and math.isfinite(squares_read([p.grad for p in params], by_dots)):
                 optimizer.step()
         return floor, None, model
     if arm == LEAN_PLAIN:

@@ -101,6 +101,22 @@ def squares_by_dots(grads: list[torch.Tensor]) -> float:
     return math.fsum([torch.dot(flat, flat).item() for flat in [g.view(-1) for g in grads]])
 
 
+def squares_read(grads: list[torch.Tensor], by_dots: bool) -> float:
+    """The sum of the squares of ``grads``' entries, read from them on a CPU (0.0 for none):
+    with ``by_dots`` (:func:`read_by_dots` of their parameters) one dot product per gradient
+    (:func:`squares_by_dots`), else, or for a gradient not viewable as a vector, one norm per
+    gradient read value by value and squared on the host."""
+    if not grads:
+        return 0.0
+    if by_dots:
+        try:
+            return squares_by_dots(grads)
+        except RuntimeError:  # a gradient that is not a contiguous dense tensor: read as below
+            pass
+    # Per-tensor reads: cheaper than stacking the norms for a read up to 40 tensors and beyond.
+    return math.fsum([n * n for n in [norm.item() for norm in torch._foreach_norm(grads)]])
+
+
 def reads_are_free(device: torch.device) -> bool:
     """Whether reading a value from ``device`` waits for nothing: a CPU op has finished when it
     returns, so there each read costs ~0.3 µs and merging two costs a stack (~7 µs)."""
@@ -285,22 +301,9 @@ class StepGuard:
             return total, None
         if squares:  # the gradients whose squares the Grams gave are not read
             grads = [p.grad for p in self.params if p.grad is not None and id(p) not in squares]
-            return total, math.sqrt(math.fsum(squares.values()) + self._squares_read(grads))
+            return total, math.sqrt(math.fsum(squares.values()) + squares_read(grads, self._grads_by_dots))
         grads = [p.grad for p in self.params if p.grad is not None]
-        return total, math.sqrt(self._squares_read(grads)) if grads else 0.0
-
-    def _squares_read(self, grads: list[torch.Tensor]) -> float:
-        """The sum of the squares of ``grads``' entries, read from them (CPU): by dot products for
-        large gradients (:func:`squares_by_dots`), else one norm per gradient."""
-        if not grads:
-            return 0.0
-        if self._grads_by_dots:
-            try:
-                return squares_by_dots(grads)
-            except RuntimeError:  # a gradient that is not a contiguous dense tensor: read as below
-                pass
-        # Per-tensor reads: cheaper than stacking the norms for a read up to 40 tensors and beyond.
-        return math.fsum([n * n for n in [norm.item() for norm in torch._foreach_norm(grads)]])
+        return total, math.sqrt(squares_read(grads, self._grads_by_dots))
 
     def steps_on_device(self, record: bool) -> bool:
         """Whether this step launches its optimizer step before reading the guard's values.

@@ -186,10 +186,10 @@ def test_on_a_cpu_a_deferred_step_reads_as_the_per_step_guard_does():
         result = trainer.step(batches[done])
     reads = {who: n for who, n in counter.read_backs.items() if who != "optimizer"}
     # The loss, then one norm per gradient (a square per gradient where the read takes dot
-    # products, squares_by_dots) read in a list comprehension: its own frame up to Python 3.11,
-    # inlined into the function from 3.12 (PEP 709).
-    assert set(reads) <= {"step_guard.py:read_step_values", "step_guard.py:squares_by_dots",
-                          "step_guard.py:<listcomp>"}, reads
+    # products, squares_by_dots) read in a list comprehension of squares_read: its own frame up
+    # to Python 3.11, inlined into the function from 3.12 (PEP 709).
+    assert set(reads) <= {"step_guard.py:read_step_values", "step_guard.py:squares_read",
+                          "step_guard.py:squares_by_dots", "step_guard.py:<listcomp>"}, reads
     assert sum(reads.values()) == 1 + len(trainer.params), reads
     assert result.loss is not None and result.grad_norm > 0 and not result.settled
 
