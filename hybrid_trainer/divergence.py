@@ -261,11 +261,12 @@ class DivergenceMonitor:
     # ------------------------------------------------------------------ recording
     def observe(self, loss: float | None, grad_norm: float | None = None) -> None:
         """Record an accepted step. Non-finite (or None) values are ignored, so they never poison the baseline."""
-        loss_value = _as_optional_float("loss", loss)
-        grad_value = _as_optional_float("grad_norm", grad_norm)
-        if loss_value is not None and math.isfinite(loss_value):
+        # The trainer passes floats on every step: no conversion call for them.
+        loss_value = loss if type(loss) is float else _as_optional_float("loss", loss)
+        grad_value = grad_norm if type(grad_norm) is float else _as_optional_float("grad_norm", grad_norm)
+        if loss_value is not None and -math.inf < loss_value < math.inf:  # NaN fails both
             self._record_loss(loss_value)
-        if grad_value is not None and math.isfinite(grad_value):
+        if grad_value is not None and -math.inf < grad_value < math.inf:
             self._record_grad_norm(grad_value)
         self.refused_in_a_row = 0
         self._bounds = self._quiet_bounds()  # here, where the window was just read: the next check only compares

@@ -8,6 +8,8 @@ unfreezing (``requires_grad_()``, ``add_param_group``) changes that set between 
 """
 from __future__ import annotations
 
+from operator import attrgetter, itemgetter
+
 import torch
 
 from .anchor import buffer_slots
@@ -32,6 +34,10 @@ def trained_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     return params + outside, outside
 
 
+_PARAMS_OF = itemgetter("params")
+_REQUIRES_GRAD = attrgetter("requires_grad")
+
+
 class TrainedSet:
     """The tensors trained now (``params``, of which ``outside_model`` are not the model's) and
     what is watched to notice a change: the optimizer's frozen tensors and the sizes of its
@@ -54,15 +60,17 @@ class TrainedSet:
                           if id(p) not in tracked]  # frozen now: watched for unfreezing
         self.group_sizes = self._group_sizes()
 
-    def _group_sizes(self) -> tuple[int, ...]:
-        return tuple(len(group["params"]) for group in self.optimizer.param_groups)
+    def _group_sizes(self) -> list[int]:
+        return list(map(len, map(_PARAMS_OF, self.optimizer.param_groups)))
 
     def changed(self) -> bool:
         """Whether a group was added or grew, a watched tensor unfroze or a trained one froze (per
-        step: one length per group and two scans of ``requires_grad``)."""
+        step: one length per group and two scans of ``requires_grad``). The scans are ``map``s
+        over an attribute getter, which iterate in C: a generator expression runs a Python frame
+        step per tensor, and this runs before every step."""
         return (self._group_sizes() != self.group_sizes
-                or any(p.requires_grad for p in self.untracked)
-                or not all(p.requires_grad for p in self.params))
+                or any(map(_REQUIRES_GRAD, self.untracked))
+                or not all(map(_REQUIRES_GRAD, self.params)))
 
 
 # The trainer's side of a change of the trained set: everything it keeps per trained tensor. Kept

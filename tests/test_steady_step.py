@@ -8,11 +8,12 @@ through the events the guard exists for (a NaN loss, a loss spike and its rollba
 left by the caller, a scheduler, batch-norm buffers), and counts that the lean path ran.
 """
 import dataclasses
+import json
 
 import pytest
 import torch
 
-from hybrid_trainer import HybridConfig, HybridTrainer
+from hybrid_trainer import Callback, HybridConfig, HybridTrainer
 from hybrid_trainer.run_report import PendingStepResult, StepResult
 
 from _configs import FAST
@@ -40,14 +41,14 @@ def faulty_loss(nan_at: int, spike_at: int):
     return loss_fn
 
 
-def run(stream, steady: bool, steps: int, stale_grads_at: int, fused: bool = False, **overrides):
+def run(stream, steady: bool, steps: int, stale_grads_at: int, fused: bool = False, callbacks=None, **overrides):
     """(trainer, results, lean steps taken) over ``steps`` batches of ``stream``."""
     model = batch_norm_mlp(0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=fused)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.5)
     config = HybridConfig(**{**FAST, "good_state_every": 5, "divergence": {"min_history": 5}, **overrides})
     trainer = HybridTrainer(model, optimizer, faulty_loss(nan_at=12, spike_at=20), config=config,
-                            scheduler=scheduler)
+                            scheduler=scheduler, callbacks=callbacks)
     trainer._steady_allowed = trainer._steady_allowed and steady
     taken = {"n": 0}
     lean = trainer._steady_step
@@ -108,6 +109,46 @@ def test_the_lean_step_equals_the_general_one_through_a_nan_a_spike_and_stale_gr
     assert fast_results[19].skipped and fast_results[19].rolled_back  # the spike: back to the good state
     assert fast.stats.divergence_rollbacks == 1
     assert_same_run((fast, fast_results), (slow, slow_results))
+
+
+class Recorder(Callback):
+    """Every hook call of a run, in order, with what identifies it (not the trainer)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def on_step_end(self, trainer, result):
+        self.calls.append(("step_end", result.step, result.skipped, result.rolled_back))
+
+    def on_update_refused(self, trainer, event):
+        self.calls.append(("update_refused", event.step))
+
+    def on_rollback(self, trainer, event):
+        self.calls.append(("rollback", event.step))
+
+    def on_phase_change(self, trainer, old, new):
+        self.calls.append(("phase_change", old, new))
+
+    def on_prediction_disabled(self, trainer, reason):
+        self.calls.append(("prediction_disabled", reason))
+
+
+def test_the_lean_step_writes_the_same_metrics_and_calls_the_same_hooks(stream, tmp_path):
+    # The lean step ends with its own bookkeeping (_end_steady_step): the metrics file and the
+    # callbacks must see exactly what the general path's end of step shows them.
+    records, hooks = {}, {}
+    for steady in (True, False):
+        recorder = Recorder()
+        path = tmp_path / f"metrics_{steady}.jsonl"
+        trainer, _, lean_steps = run(stream, steady, 30, stale_grads_at=25, callbacks=[recorder],
+                                     metrics_path=str(path), predict=False)
+        trainer.close()
+        assert lean_steps == (30 if steady else 0)
+        records[steady] = [without_times(json.loads(line)) for line in path.read_text().splitlines()]
+        hooks[steady] = recorder.calls
+    assert len(records[True]) == 30 and records[True] == records[False]
+    assert ("rollback", 19) in hooks[True] and ("update_refused", 11) in hooks[True]
+    assert hooks[True] == hooks[False]
 
 
 def test_the_lean_step_takes_over_when_prediction_switches_off(stream):
