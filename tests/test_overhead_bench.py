@@ -127,6 +127,17 @@ def test_breakdown_of_a_deferred_arm_times_its_launch_and_block_reads():
         timed[k] for k in ("model forward", "backward", "optimizer step")))
 
 
+def test_breakdown_of_a_per_step_arm_times_the_lean_step_s_check_and_end():
+    """Once prediction is off the per-step arm takes the lean step, which ends with its own
+    method and calls the monitor's check itself: both are timed, every step."""
+    workload = overhead.make_workload("tiny", 8, torch.device("cpu"))
+    parts = overhead.breakdown(workload, "predict=False", torch.device("cpu"), 20, 48)
+    timed = parts["parts_us"]
+    assert timed["end of lean step: counters, events, metrics"] > 0 and timed["divergence check (guard)"] > 0
+    assert "end of step: counters, events, metrics" not in timed  # the general path's end never ran
+    assert timed["gradient norm and read (guard)"] > 0
+
+
 def test_tensor_peak_is_exact_on_a_known_sequence_of_allocations():
     keep = torch.empty(250_000)  # allocated before: not in the peak, and its free is not reported
     with overhead.TensorPeak() as peak:
