@@ -243,14 +243,7 @@ class HybridTrainer:
             result.emergency_checkpoint_error = self._emergency_error
         if not isinstance(result, PendingStepResult):  # those are logged when they settle
             self._log(result)
-        # Events are rare: a few compares tell that none happened. Hooks run last, so one that
-        # raises finds the step done and counted.
-        events = self.events
-        if result.skipped or result.rolled_back or ctl.phase is not phase or ctl.disabled_reason is not disabled_before:
-            events.after_step(self, result, phase, disabled_before)
-        if events.pending or events.step_end:
-            events.dispatch(self, result)
-        return result
+        return self._step_events(result, phase, disabled_before)
 
     def _end_steady_step(self, result: StepResult, phase: Phase, disabled_before: str | None) -> StepResult:
         """:meth:`_end_step` of a judged steady step (:meth:`_steady_step`): the same effects,
@@ -269,7 +262,12 @@ class HybridTrainer:
             self.forecaster.release()
         if self.metrics is not None:
             self._log(result)
-        events = self.events
+        return self._step_events(result, phase, disabled_before)
+
+    def _step_events(self, result: StepResult, phase: Phase, disabled_before: str | None) -> StepResult:
+        """The end of every step: its events and hooks. Events are rare: a few compares tell that
+        none happened. Hooks run last, so one that raises finds the step done and counted."""
+        ctl, events = self.controller, self.events
         if result.skipped or result.rolled_back or ctl.phase is not phase or ctl.disabled_reason is not disabled_before:
             events.after_step(self, result, phase, disabled_before)
         if events.pending or events.step_end:
