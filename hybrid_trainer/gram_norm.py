@@ -99,7 +99,12 @@ def edges_into(root: Any, watched: set[int]) -> dict[int, int]:
     accumulator of each leaf whose ``id`` is in ``watched``: more than one means the leaf is used
     more than once and its gradient is a sum."""
     counts: dict[int, int] = {}
-    seen, stack = {id(root)}, [root]
+    # The nodes seen are kept, not only their ids: a Python wrapper of a C++ node can live only
+    # while referenced, and one freed after its expansion gives its address, so its id, to the
+    # next wrapper made; that node, taken for one already seen, would not be walked and its edges
+    # would go uncounted (torch 2.11 on the lent GPU machine counted fewer edges than the graph
+    # has, every Gram refused or, with a weight used twice, one use's square taken for the sum).
+    seen, stack = {id(root): root}, [root]
     while stack:
         for node, _ in stack.pop().next_functions:
             if node is None:
@@ -109,7 +114,7 @@ def edges_into(root: Any, watched: set[int]) -> dict[int, int]:
                 if key in watched:
                     counts[key] = counts.get(key, 0) + 1
             elif id(node) not in seen:
-                seen.add(id(node))
+                seen[id(node)] = node
                 stack.append(node)
     return counts
 

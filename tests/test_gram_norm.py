@@ -180,6 +180,34 @@ def test_the_graph_walk_counts_every_edge_into_a_leaf():
         id(module.layer.weight): 2, id(module.layer.bias): 1}
 
 
+class ChurningNode:
+    """An autograd node whose ``next_functions`` hands out a new wrapper object for each
+    non-leaf child at every access, as torch may for a C++ node no one holds: a wrapper dropped
+    after its expansion frees its address for the next one."""
+
+    __slots__ = ("children",)  # small and of one size: a freed wrapper's memory is the next one's
+
+    def __init__(self, children):
+        self.children = children  # each a real AccumulateGrad node, or a tuple of grandchildren
+
+    @property
+    def next_functions(self):
+        edges = []
+        for child in self.children:
+            edges.append((child if not isinstance(child, tuple) else ChurningNode(child), 0))
+        return tuple(edges)
+
+
+def test_the_graph_walk_counts_edges_when_node_wrappers_are_made_afresh():
+    """Two paths into one weight, one a node deeper: with only the ids of the nodes it had seen,
+    the walk took the deeper node's fresh wrapper, at the address of one it had dropped, for that
+    one, and counted one edge, so a Gram square of one use passed for the summed gradient."""
+    weight = nn.Parameter(torch.randn(4, 4))
+    accumulate = (weight * 1.0).grad_fn.next_functions[0][0]
+    root = ChurningNode((((accumulate,),), (accumulate,)))
+    assert edges_into(root, {id(weight)}) == {id(weight): 2}
+
+
 def test_a_hook_on_the_weight_makes_it_read():
     layer = nn.Linear(16, 16)
     layer.weight.register_hook(lambda g: g * 2)
