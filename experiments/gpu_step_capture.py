@@ -34,6 +34,7 @@ import io
 import json
 import pstats
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -41,7 +42,7 @@ from typing import Any, Callable
 import torch
 
 from bench.overhead import make_workload, median_interval_ranks
-from bench.protocol import git_state
+from bench.protocol import run_metadata
 
 RESULTS = Path(__file__).parent / "results"
 RING = 16
@@ -98,11 +99,17 @@ def captured_arm(workload, device, guarded: bool) -> Callable[[Any], None]:
             torch._amp_foreach_non_finite_check_and_unscale_([values], found, one)
             optimizer.found_inf = found
         optimizer.step()
+    # The graph holds raw addresses of the weights, the optimizer state and these buffers, not
+    # the tensors: each step function keeps them alive (without it, the model and optimizer went
+    # with this frame, the next capture's empty_cache gave their memory back, and the replay hit
+    # an illegal address on the H200).
+    keep = (model, optimizer, static, found, one)
     if not guarded:
         def step(batch) -> None:
             for buffer, t in zip(static, batch):
                 buffer.copy_(t)
             graph.replay()
+        step.keep = keep  # type: ignore[attr-defined]
         return step
     ring = torch.empty((RING, values.numel()), dtype=torch.float32, device=device)
     position = [0]
@@ -116,7 +123,7 @@ def captured_arm(workload, device, guarded: bool) -> Callable[[Any], None]:
         position[0] += 1
         if position[0] % RING == 0:
             read.append(ring.tolist())  # the block's one read, as the trainer's deferred checks
-    guarded_step.read = read  # type: ignore[attr-defined]
+    guarded_step.read, guarded_step.keep = read, (keep, values)  # type: ignore[attr-defined]
     return guarded_step
 
 
@@ -186,11 +193,19 @@ def run(model: str, device: torch.device, rounds: int, chunk: int, profile_steps
             arms["guarded, captured"] = captured_arm(workload, device, guarded=True)
         except Exception as error:  # a model that cannot be captured: say why, time the rest
             capture_error = f"{type(error).__name__}: {error}"
+    # The trainer's host profile and kernel counts first: what a failed capture or a cut-off run
+    # must not cost (a device error ends the process).
+    for i in range(3 * chunk):  # warm-up: past the trainer's first steps
+        trainer_step(workload.batches[i % len(workload.batches)])
+        arms["plain"](workload.batches[i % len(workload.batches)])
+    result: dict[str, Any] = dict(model=model, rounds=rounds, chunk=chunk, capture_error=capture_error)
+    result["trainer_profile"] = host_profile(trainer_step, workload.batches, profile_steps)
+    result["plain_profile"] = host_profile(arms["plain"], workload.batches, profile_steps)
+    result["kernels"] = {name: kernel_counts(arms[name], workload.batches, device, 32) for name in ("plain", "trainer")}
+    print(result["trainer_profile"][:3000], flush=True)
     means = time_arms(arms, workload.batches, device, rounds, chunk, warmup=3 * chunk)
-    result: dict[str, Any] = dict(model=model, rounds=rounds, chunk=chunk, capture_error=capture_error,
-                                  trainer_phase=trainer.controller.phase.value,
-                                  trainer_prediction_enabled=trainer.controller.prediction_enabled,
-                                  arms={})
+    result.update(trainer_phase=trainer.controller.phase.value,
+                  trainer_prediction_enabled=trainer.controller.prediction_enabled, arms={})
     for name, values in means.items():
         row: dict[str, Any] = dict(step_us=statistics.median(values), per_round_us=values)
         if name != "plain":
@@ -201,15 +216,12 @@ def run(model: str, device: torch.device, rounds: int, chunk: int, profile_steps
                        interval_us=None if ranks is None else [ordered[ranks[0]], ordered[ranks[1]]],
                        ratio=statistics.median(means["plain"]) / statistics.median(values))
         result["arms"][name] = row
-    result["trainer_profile"] = host_profile(trainer_step, workload.batches, profile_steps)
-    result["plain_profile"] = host_profile(arms["plain"], workload.batches, profile_steps)
-    result["kernels"] = {name: kernel_counts(arms[name], workload.batches, device, 32) for name in ("plain", "trainer")}
     return result
 
 
 def report(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [f"# A host-bound step on {meta['device_name']}: the trainer's host time and a captured step",
-             "", f"`{meta['command']}` ({meta['date']}, commit {meta['git_commit'][:10]}, torch {meta['torch']}).",
+             "", f"`{meta['command']}` ({meta['date']}, commit {(meta['git_commit'] or 'unknown')[:10]}, torch {meta['torch']}).",
              "Every arm over `AdamW(fused=True)`; median over rounds of each arm's mean step over a chunk "
              "between two synchronisations; over plain: median of the round-by-round differences, 95% sign interval.", ""]
     for r in results:
@@ -253,10 +265,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  {name}: {row['step_us']:.0f} µs" + (f", {row['over_plain_us']:+.0f} µs over plain"
                                                          if "over_plain_us" in row else ""), flush=True)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    meta = dict(command="python -m experiments.gpu_step_capture " + " ".join(argv or []), device_name=name,
-                date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), torch=torch.__version__)
-    meta["git_commit"], meta["git_dirty"] = git_state()
-    meta["git_commit"] = meta["git_commit"] or "unknown"
+    command = "python -m experiments.gpu_step_capture " + " ".join(sys.argv[1:] if argv is None else argv)
+    meta = run_metadata(command, device_name=name)
     stem = "gpu_step_capture_" + ("cuda" if device.type == "cuda" else "cpu")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{stem}.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))

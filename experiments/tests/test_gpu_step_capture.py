@@ -1,0 +1,71 @@
+"""experiments.gpu_step_capture on the CPU: the eager arms, the trainer's profile and op counts, and
+a report built from what was timed (the captured arms need CUDA and are not built here)."""
+import json
+import statistics
+
+import pytest
+import torch
+
+from experiments import gpu_step_capture
+
+
+def test_a_cpu_run_times_the_eager_arms_and_profiles_the_trainer(tmp_path):
+    gpu_step_capture.main(["--device", "cpu", "--models", "tiny", "--rounds", "6", "--chunk", "4",
+                           "--profile-steps", "5", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "gpu_step_capture_cpu.json").read_text())
+    assert saved["meta"]["command"].startswith("python -m experiments.gpu_step_capture --device cpu")
+    run = saved["results"][0]
+    assert list(run["arms"]) == ["plain", "trainer"] and run["capture_error"] is None
+    plain, trainer = run["arms"]["plain"]["per_round_us"], run["arms"]["trainer"]["per_round_us"]
+    assert len(plain) == len(trainer) == 6
+    assert run["arms"]["trainer"]["over_plain_us"] == pytest.approx(
+        statistics.median(t - p for t, p in zip(trainer, plain)))
+    # The guard reads the loss and the gradients on every step: ops the plain loop never issues.
+    assert run["kernels"]["trainer"]["aten_ops_per_step"] > run["kernels"]["plain"]["aten_ops_per_step"]
+    assert "_steady_step" in run["trainer_profile"]
+    report = (tmp_path / "gpu_step_capture_cpu.md").read_text()
+    assert f"| trainer | {run['arms']['trainer']['step_us']:.0f} |" in report
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_the_captured_step_trains_as_the_eager_step_does():
+    """A replayed graph steps the model as the eager loop does: the same weights after the same
+    batches (the captured arm's three warm-up steps on the first batch included)."""
+    from bench.overhead import make_workload
+
+    device = torch.device("cuda")
+    workload = make_workload("tiny", 4, device)
+    step = gpu_step_capture.captured_arm(workload, device, guarded=False)
+    reference = workload.make_model(0)
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=workload.lr, fused=True)
+
+    def eager(batch):
+        optimizer.zero_grad(set_to_none=True)
+        workload.loss_fn(reference, batch).backward()
+        optimizer.step()
+    for _ in range(3):
+        eager(workload.batches[0])
+    for batch in workload.batches:
+        step(batch)
+        eager(batch)
+    for p, q in zip(step.keep[0].parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_the_guarded_graph_skips_a_non_finite_step_and_reads_once_per_ring():
+    from bench.overhead import make_workload
+
+    device = torch.device("cuda")
+    workload = make_workload("tiny", 4, device)
+    step = gpu_step_capture.captured_arm(workload, device, guarded=True)
+    model = step.keep[0][0]
+    for i in range(gpu_step_capture.RING - 1):
+        step(workload.batches[i % 4])
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = workload.batches[0]
+    step((torch.full_like(x, float("nan")), y))  # the ring's last step: the block is read
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert len(step.read) == 1 and len(step.read[0]) == gpu_step_capture.RING
+    assert all(torch.tensor(row).isfinite().all() for row in step.read[0][:-1])
+    assert not torch.tensor(step.read[0][-1]).isfinite().all()
