@@ -1149,7 +1149,7 @@ def markdown(results: dict[str, Any]) -> str:
     single_after = (only[0].get("run") or {}).get("machine_after_time") if len(only) == 1 else None
     lines = [f"Trainer overhead over the plain AdamW{fused} loop, `{results['command']}` ({results['date']}, commit "
              f"{(results['git']['commit'] or '?')[:10]}{' + uncommitted changes' if results['git']['dirty'] else ''}, "
-             f"torch {results['torch']}, {results['device']}, {results['threads']} thread(s)"
+             f"torch {results['torch']}, {results.get('gpu') or results['device']}, {results['threads']} thread(s)"
              f"{_machine_said(results.get('machine'), single_after)}).", "",
              f"Time: median over chunks of {_chunks_said(results)} of the chunk's mean step (each chunk's timed "
              "steps span one good-state period, so each pays one snapshot); "

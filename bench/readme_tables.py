@@ -200,30 +200,35 @@ def _overhead_rows() -> list[tuple[str, str, str]]:
 
 
 def _gpu_overhead_rows() -> list[tuple[str, str, str]]:
-    """The trainer against the plain loop on a GPU: ``bench.overhead --device cuda`` (each model's
-    step and overhead, the goal's verdict) and the fused end-to-end run's ``no-predict`` arm."""
-    if not (RESULTS / "overhead_cuda.json").exists():
-        return []
+    """The trainer against the plain loop on a GPU: ``bench.overhead --device cuda`` with torch's
+    default AdamW (foreach) and with ``--fused-adamw`` (each model's step and overhead, the goal's
+    verdict) and the fused end-to-end run's ``no-predict`` arm."""
     from bench.overhead import GOAL_GPU_SPEED, time_goal
 
-    data = _load("overhead_cuda.json")
-    models = {m: data["models"][m] for m in OVERHEAD_MODELS if m in data["models"]}
-    names = " / ".join(OVERHEAD_MODELS[m] for m in models)
+    rows = []
+    for stem, optimizer in (("overhead_cuda", "AdamW foreach"), ("overhead_cuda_fused", "AdamW fused=True")):
+        if not (RESULTS / f"{stem}.json").exists():
+            continue
+        data = _load(f"{stem}.json")
+        models = {m: data["models"][m] for m in OVERHEAD_MODELS if m in data["models"]}
+        names = " / ".join(OVERHEAD_MODELS[m] for m in models)
 
-    def vs(arm: str, key: str, fmt: str) -> str:
-        return _vs_plain((e["arms"] for e in models.values()), arm, key, fmt)
+        def vs(arm: str, key: str, fmt: str) -> str:
+            return _vs_plain((e["arms"] for e in models.values()), arm, key, fmt)
 
-    steps = " / ".join(f"{e['arms']['plain']['time']['chunk_median_us']:.0f}" for e in models.values())
-    verdicts = " / ".join(g["verdict"].split(" (")[0] for g in (time_goal(e, "cuda") for e in models.values()))
-    device = (data.get("gpu") or "GPU").removeprefix("NVIDIA ")
-    text = (f"plain step {steps} µs; `predict=False` {vs('predict=False', 'overhead_us', '+.0f')} µs, i.e. "
-            f"{vs('predict=False', 'time_ratio', '.2f')}× the plain step (goal: ≥ {GOAL_GPU_SPEED:.2f}× the plain "
-            f"loop's speed; "
-            f"here: {verdicts}); the floor of any per-step NaN guard {vs(FLOOR, 'overhead_us', '+.0f')} µs; "
-            f"device memory `predict=False` {vs('predict=False', 'memory_ratio', '.2f')}×, default "
-            f"{vs('default', 'memory_ratio', '.2f')}×")
-    cmds = " ".join(f"`{c}`" for c in dict.fromkeys(e["run"]["command"] for e in models.values()))
-    rows = [(f"The trainer's cost per step on a GPU ({device}, AdamW foreach), prediction off ({names})", text, cmds)]
+        steps = " / ".join(f"{e['arms']['plain']['time']['chunk_median_us']:.0f}" for e in models.values())
+        verdicts = " / ".join(g["verdict"].split(" (")[0] for g in (time_goal(e, "cuda") for e in models.values()))
+        device = (data.get("gpu") or "GPU").removeprefix("NVIDIA ")
+        text = (f"plain step {steps} µs; `predict=False` {vs('predict=False', 'overhead_us', '+.0f')} µs, i.e. "
+                f"{vs('predict=False', 'time_ratio', '.2f')}× the plain step (goal: ≥ {GOAL_GPU_SPEED:.2f}× the "
+                f"plain loop's speed; here: {verdicts}); the floor of any per-step NaN guard "
+                f"{vs(FLOOR, 'overhead_us', '+.0f')} µs; device memory `predict=False` "
+                f"{vs('predict=False', 'memory_ratio', '.2f')}×, default {vs('default', 'memory_ratio', '.2f')}×")
+        cmds = " ".join(f"`{c}`" for c in dict.fromkeys(e["run"]["command"] for e in models.values()))
+        rows.append((f"The trainer's cost per step on a GPU ({device}, {optimizer}), prediction off ({names})",
+                     text, cmds))
+    if not rows:
+        return []
     fused = {t: RESULTS / f"e2e_{t}_cuda_fused.json" for t in ("charlm", "fashion")}
     if all(f.exists() for f in fused.values()):
         runs = [json.loads(f.read_text()) for f in fused.values()]
