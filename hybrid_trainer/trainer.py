@@ -383,6 +383,10 @@ class HybridTrainer:
             self.weight_average.update()
         if self.scheduler is not None:
             self.scheduler.step()
+        # The gradients go before the update is recorded: the recording's bucket-sized transients
+        # then take memory the gradients held, not memory on top of them (with a fused
+        # optimizer, whose step has next to no transients of its own, they set the step's peak).
+        self._drop_grads()
         update_norm = None
         if record:
             mark = worth.clock("recording")
@@ -392,7 +396,6 @@ class HybridTrainer:
             update_norm = update.update_norm
             if math.isfinite(update.cosine):
                 self._last_update_cosine = update.cosine
-        self._drop_grads()
 
         self.loss_trend.update(total)
         self.forecaster.observe(phase, self.step_count, self.stats.optimizer_steps, total, grad_norm, update_norm,

@@ -195,3 +195,19 @@ def test_empty_input_gives_empty_codes_and_zero_scales_of_the_usual_shape(shape,
 def test_bad_arguments_are_named(call, match):
     with pytest.raises((ValueError, TypeError), match=match):
         call()
+
+
+def test_eager_dequantize_holds_one_fp32_copy_of_its_input_at_a_time(monkeypatch):
+    """The trainer's int8 direction is read a bucket at a time while the gradients are alive, so
+    the read's transient adds to the step's peak: one fp32 tensor of the codes' size (widening,
+    then scaling out of place, held two)."""
+    from bench.overhead import TensorPeak
+
+    monkeypatch.setenv("HYBRID_KERNELS_BACKEND", "eager")
+    codes = torch.randint(-127, 128, (64 * 256,), dtype=torch.int8)
+    scales = torch.rand(64)
+    with TensorPeak() as peak:
+        values = hk.dequantize_int8(codes, scales, "block", 256, torch.float32)
+    assert hk.last_backend("dequantize_int8") == "eager"
+    assert peak.peak_bytes == values.numel() * 4
+    torch.testing.assert_close(values, (codes.float().view(64, 256) * scales[:, None]).view(-1), rtol=0, atol=0)
