@@ -1,7 +1,7 @@
 """What does the trainer cost next to a plain loop, in time and in peak memory?
 
     python -m bench.overhead [--models tiny mlp-1ms fashion charlm mlp-50m] [--device cpu|cuda] [--quick]
-                             [--memory-only | --arms ARM [ARM ...]] [--fused-adamw]
+                             [--memory-only | --arms ARM [ARM ...] | --breakdown-only] [--fused-adamw]
 
 Every model is trained by the plain loop (``zero_grad``, ``loss.backward()``, ``optimizer.step()``:
 no read of the loss) and by ``HybridTrainer`` in four configurations (``predict=False``, the
@@ -70,7 +70,10 @@ results file (the report says which run they came from). ``--arms A [B ...]`` ti
 arms beside the plain loop (more rounds of one arm, say) and keeps the model's other arms, its
 memory figures, breakdown and exploration from the existing results file: each kept arm is
 still taken against the plain loop of its own run's rounds (``plain_chunk_means_us``), and the
-report names the run every kept figure came from.
+report names the run every kept figure came from. ``--breakdown-only`` times the ``predict=False``
+arm part by part again, on any model (the whole-step pairs of the models above
+``IN_PROCESS_PARAMS`` cannot resolve a 2% goal on a noisy host; their parts, the Gram hooks inside
+the forward and backward counted as the trainer's, can), and keeps every other figure.
 
 Writes ``<out>/overhead.{json,md}`` (``overhead_quick`` with ``--quick``; ``_cuda`` on CUDA),
 each recording the git commit and whether the tree was dirty, and per model the host's speed
@@ -139,6 +142,9 @@ PERIOD = 50
 # 220), so the arms timed the guard's rollbacks rather than its steady cost.
 BIG_WARMUP, BIG_STEPS, BIG_SETTLE, BIG_BATCHES = 20, 12 * PERIOD, 1, 1024
 BIG_CHUNK = BIG_SETTLE + PERIOD
+# --breakdown-only on a model above IN_PROCESS_PARAMS: steps timed part by part (two good-state
+# periods, so the snapshot's share is in the mean).
+BIG_BREAKDOWN_STEPS = 2 * PERIOD
 # Timed steps per arm by model (others: --steps or 8 periods). Overheads of tens of µs on steps
 # under ~6 ms need many rounds: the 95% interval of Fashion-MNIST's was 80 µs wide over 200 rounds
 # of 16 steps and 210 µs over 100, against the 120 µs its 2% goal allows (128 rounds of 50 steps
@@ -696,14 +702,23 @@ BREAKDOWN_PARTS = {  # label: (object path from the trainer, "" for the trainer 
     "forecaster.observe": ("forecaster", "observe"),
     "loss trend": ("loss_trend", "update"),
     "controller.advance": ("controller", "advance"),
+    # The large linear layers' Gram norms (a CPU's steady step; hybrid_trainer.gram_norm): their
+    # hooks run inside the model's forward and backward (NESTED_PARTS), the check after them.
+    "Gram norms: forward hooks": ("guard.gram", "_forward"),
+    "Gram norms: backward hooks": ("guard.gram", "_output_grad"),
+    "Gram norms: check": ("guard.gram", "finish"),
 }
+# Parts that run inside the forward, backward or optimizer step, whose wrapped time would hide
+# them: the trainer's own time counts them back.
+NESTED_PARTS = ("Gram norms: forward hooks", "Gram norms: backward hooks")
 
 
 def breakdown(workload: Workload, arm: str, device: torch.device, warmup: int, steps: int) -> dict[str, Any]:
     """Where one arm's step time goes: the model's forward (``loss_fn``), ``backward`` and the
     optimizer step, timed by wrapping them, the trainer's own parts likewise; ``own_us`` is the
-    step minus forward, backward and optimizer, i.e. everything the trainer adds. Mean µs per
-    step over ``steps`` steps (each wrapper adds well under a µs)."""
+    step minus forward, backward and optimizer, plus the trainer's parts that ran inside them
+    (:data:`NESTED_PARTS`), i.e. everything the trainer adds. Mean µs per step over ``steps``
+    steps (each wrapper adds well under a µs)."""
     step, trainer, _ = _arm_step(arm, workload, device)
     spent: dict[str, float] = {}
 
@@ -739,7 +754,9 @@ def breakdown(workload: Workload, arm: str, device: torch.device, warmup: int, s
         torch.Tensor.backward = backward
     per_step = {label: 1e6 * s / steps for label, s in sorted(spent.items(), key=lambda kv: -kv[1])}
     core = sum(per_step.get(k, 0.0) for k in ("model forward", "backward", "optimizer step"))
-    return dict(arm=arm, steps=steps, step_us=1e6 * total / steps, own_us=1e6 * total / steps - core, parts_us=per_step)
+    nested = sum(per_step.get(k, 0.0) for k in NESTED_PARTS)
+    return dict(arm=arm, steps=steps, step_us=1e6 * total / steps, own_us=1e6 * total / steps - core + nested,
+                parts_us=per_step)
 
 
 # ================================================================================= memory ====
@@ -1037,8 +1054,11 @@ def goal_lines(results: dict[str, Any]) -> list[str]:
         refused_text = ("" if not refused.get("skipped_steps") else
                         f"; while timed the guard refused {refused['skipped_steps']} steps, rolling back "
                         f"{refused['divergence_rollbacks']} times")
+        b = r.get("breakdown")
+        own_text = ("" if not b else f"; its own time part by part (below) {b['own_us']:.0f} µs, "
+                    f"{100 * b['own_us'] / b['step_us']:.1f}% of its step")
         out.append(f"- {model}: {c['overhead_us']:+.0f} µs ({100 * (c['time_ratio'] - 1):+.1f}%{goal['shown']}), "
-                   f"goal {goal['goal']}: {goal['verdict']}{floor_text}{lean_text}{refused_text}")
+                   f"goal {goal['goal']}: {goal['verdict']}{floor_text}{lean_text}{own_text}{refused_text}")
     return out
 
 
@@ -1206,8 +1226,14 @@ def markdown(results: dict[str, Any]) -> str:
         b = r.get("breakdown")
         if b:
             parts = ", ".join(f"{k} {v:.1f}" for k, v in b["parts_us"].items())
+            nested = [k for k in NESTED_PARTS if k in b["parts_us"]]
+            run = b.get("run")
             lines.append(f"- {model} / {b['arm']}: step {b['step_us']:.0f} µs, of which the trainer's own "
-                         f"{b['own_us']:.0f} µs (step minus forward, backward and optimizer); µs per step: {parts}")
+                         f"{b['own_us']:.0f} µs ({100 * b['own_us'] / b['step_us']:.1f}%: step minus forward, "
+                         f"backward and optimizer{' plus ' + ' and '.join(nested) if nested else ''}); µs per step "
+                         f"over {b['steps']} steps: {parts}"
+                         + (f" (from `{run['command']}` at {run['date']}, commit {(run['git']['commit'] or '?')[:10]}"
+                            f"{_machine_said(run.get('machine'), None)})" if run else ""))
     if any(r.get("breakdown") for r in results["models"].values()):
         lines.insert(len(lines) - sum(1 for r in results["models"].values() if r.get("breakdown")),
                      "\nWhere a step's time goes (each part timed by wrapping it, one arm alone):\n")
@@ -1252,6 +1278,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-only", action="store_true",
                         help="measure memory only; the in-process time figures (and breakdown) of each model are kept "
                              "from the existing results file, which records the run they came from")
+    parser.add_argument("--breakdown-only", action="store_true",
+                        help="time the predict=False arm part by part only (any model size; "
+                             f"{BIG_BREAKDOWN_STEPS} steps above {IN_PROCESS_PARAMS // 1_000_000}M parameters) and "
+                             "keep each model's other figures from the existing results file")
     timeable = [a for a in [*ARMS, *TIMED_ONLY] if a != "plain"]
     parser.add_argument("--arms", nargs="+", default=None, metavar="ARM",
                         help="time only these arms beside the plain loop and keep the model's other figures (other "
@@ -1307,6 +1337,10 @@ def main(argv: list[str] | None = None) -> int:
     untimed = [m for m in models if m not in previous]
     if args.memory_only and untimed:
         parser.error(f"--memory-only keeps the time figures of {existing}, which lacks {untimed}")
+    if args.breakdown_only and (args.memory_only or args.arms is not None):
+        parser.error("--breakdown-only keeps every figure but the breakdown; not with --memory-only or --arms")
+    if args.breakdown_only and untimed:
+        parser.error(f"--breakdown-only keeps the other figures of {existing}, which lacks {untimed}")
     if args.arms is not None:
         unknown = [a for a in args.arms if a not in timeable]
         if unknown:
@@ -1324,6 +1358,16 @@ def main(argv: list[str] | None = None) -> int:
             workload = make_workload(name, BIG_BATCHES, device)
         chunk = args.chunk if not big or args.chunk_given else BIG_CHUNK
         settle = BIG_SETTLE if big and chunk > BIG_SETTLE else 0
+        if args.breakdown_only:  # the model's other figures as the run that measured them left them
+            parts_steps = args.breakdown_steps or (BIG_BREAKDOWN_STEPS if big else 300)
+            parts_warmup = args.warmup if args.warmup is not None else (BIG_WARMUP if big else warmup)
+            entry = dict(previous[name], breakdown=breakdown(workload, "predict=False", device, parts_warmup,
+                                                             parts_steps))
+            entry["breakdown"]["run"] = dict(command=results["command"], date=results["date"], git=results["git"],
+                                             machine=results["machine"])
+            results["models"][name] = entry
+            print(markdown(dict(results, models={name: entry})), flush=True)
+            continue
         entry: dict[str, Any] = dict(parameters=n_params, details=workload.details, batches=len(workload.batches),
                                      arms={a: {} for a in ARMS})
         machine_after = None  # the host's speed once the arms are timed (a --memory-only run times none)

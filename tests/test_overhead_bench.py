@@ -138,6 +138,18 @@ def test_breakdown_of_a_per_step_arm_times_the_lean_step_s_check_and_end():
     assert timed["gradient norm and read (guard)"] > 0
 
 
+def test_breakdown_counts_the_gram_hooks_inside_forward_and_backward_as_the_trainer_s_own():
+    """A 1024 x 1024 layer over 2 rows gets its weight-gradient norm from Grams (hybrid_trainer.gram_norm):
+    the hooks run inside the model's forward and backward, whose wrapped time holds them, so the
+    trainer's own time adds them back."""
+    workload = overhead.synthetic_mlp("wide", 1024, [1024], 10, 2, 4, torch.device("cpu"))
+    parts = overhead.breakdown(workload, "predict=False", torch.device("cpu"), 20, 10)
+    timed = parts["parts_us"]
+    assert all(timed[k] > 0 for k in (*overhead.NESTED_PARTS, "Gram norms: check"))
+    assert parts["own_us"] == pytest.approx(parts["step_us"] - sum(
+        timed[k] for k in ("model forward", "backward", "optimizer step")) + sum(timed[k] for k in overhead.NESTED_PARTS))
+
+
 def test_tensor_peak_is_exact_on_a_known_sequence_of_allocations():
     keep = torch.empty(250_000)  # allocated before: not in the peak, and its free is not reported
     with overhead.TensorPeak() as peak:
@@ -250,6 +262,16 @@ def test_quick_run_reports_every_arm_with_ratios_from_its_measurements(tmp_path)
         assert again["arms"][name]["time"] == arm["time"]
     assert again["time_run"] == results["models"]["tiny"]["run"]
     assert again["arms"]["plain"]["memory"]["training_bytes"] > 0
+    # --breakdown-only times the parts again and keeps every other figure, naming the run it made.
+    assert overhead.main(["--quick", "--models", "tiny", "--warmup", "3", "--breakdown-only", "--breakdown-steps", "7",
+                          "--out", str(tmp_path)]) == 0
+    parted = json.loads((tmp_path / "overhead_quick.json").read_text())["models"]["tiny"]
+    assert {k: v for k, v in parted.items() if k != "breakdown"} == {k: v for k, v in again.items() if k != "breakdown"}
+    assert parted["breakdown"]["steps"] == 7 and "--breakdown-only" in parted["breakdown"]["run"]["command"]
+    report = (tmp_path / "overhead_quick.md").read_text()
+    assert "over 7 steps" in report
+    assert "(from `python -m bench.overhead --quick --models tiny --warmup 3 --breakdown-only --breakdown-steps 7" in report
+    assert f"its own time part by part (below) {parted['breakdown']['own_us']:.0f} µs" in report
 
 
 def test_arms_times_only_the_named_arms_and_keeps_the_rest_against_their_own_plain_loop(tmp_path):
