@@ -85,6 +85,7 @@ two hosts (``--merge``) say which host each came from.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import math
@@ -717,46 +718,69 @@ def breakdown(workload: Workload, arm: str, device: torch.device, warmup: int, s
     """Where one arm's step time goes: the model's forward (``loss_fn``), ``backward`` and the
     optimizer step, timed by wrapping them, the trainer's own parts likewise; ``own_us`` is the
     step minus forward, backward and optimizer, plus the trainer's parts that ran inside them
-    (:data:`NESTED_PARTS`), i.e. everything the trainer adds. Mean µs per step over ``steps``
-    steps (each wrapper adds well under a µs)."""
-    step, trainer, _ = _arm_step(arm, workload, device)
+    (:data:`NESTED_PARTS`), i.e. everything the trainer adds. The plain loop is timed the same
+    way, in chunks of up to one good-state period taken in turn with the arm's: its step minus the
+    same three parts (``plain_own_us``: ``zero_grad``, freeing the gradients, the loop itself) is
+    what a loop costs outside them anyway, so ``own_over_plain_us``, the difference, is what the
+    trainer adds over the plain loop. Mean µs per step over ``steps`` steps of each (each wrapper
+    adds well under a µs)."""
     spent: dict[str, float] = {}
+    plain_spent: dict[str, float] = {}
+    current = {"spent": spent}  # the arm stepping now: whose backward a wrapped call is
 
-    def timed(label: str, fn):
+    def timed(label: str, fn, into: dict[str, float] | None = None):
         def wrapper(*args, **kwargs):
             started = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                spent[label] = spent.get(label, 0.0) + time.perf_counter() - started
+                book = current["spent"] if into is None else into
+                book[label] = book.get(label, 0.0) + time.perf_counter() - started
         return wrapper
 
-    trainer.loss_fn = timed("model forward", trainer.loss_fn)
-    trainer.optimizer.step = timed("optimizer step", trainer.optimizer.step)
+    step, trainer, _ = _arm_step(arm, workload, device)
+    trainer.loss_fn = timed("model forward", trainer.loss_fn, spent)
+    trainer.optimizer.step = timed("optimizer step", trainer.optimizer.step, spent)
     for label, (path, method) in BREAKDOWN_PARTS.items():
         owner = trainer
         for name in filter(None, path.split(".")):
             owner = getattr(owner, name, None)
         if owner is not None:
-            setattr(owner, method, timed(label, getattr(owner, method)))
+            setattr(owner, method, timed(label, getattr(owner, method), spent))
+    plain_workload = dataclasses.replace(workload, loss_fn=timed("model forward", workload.loss_fn, plain_spent))
+    plain, _, _ = _arm_step("plain", plain_workload, device)
+    plain.optimizer.step = timed("optimizer step", plain.optimizer.step, plain_spent)
     backward = torch.Tensor.backward
     torch.Tensor.backward = timed("backward", backward)
+    totals = {"arm": 0.0, "plain": 0.0}
     try:
         n = len(workload.batches)
         for i in range(warmup):
             step(workload.batches[i % n])
+            plain(workload.batches[i % n])
         spent.clear()
-        started = time.perf_counter()
-        for i in range(steps):
-            step(workload.batches[(warmup + i) % n])
-        total = time.perf_counter() - started
+        plain_spent.clear()
+        chunk = min(steps, PERIOD)
+        for start in range(warmup, warmup + steps, chunk):
+            for name, fn, book in (("arm", step, spent), ("plain", plain, plain_spent)):
+                current["spent"] = book
+                _sync(device)
+                started = time.perf_counter()
+                for i in range(start, min(start + chunk, warmup + steps)):
+                    fn(workload.batches[i % n])
+                _sync(device)
+                totals[name] += time.perf_counter() - started
     finally:
         torch.Tensor.backward = backward
+    core_parts = ("model forward", "backward", "optimizer step")
     per_step = {label: 1e6 * s / steps for label, s in sorted(spent.items(), key=lambda kv: -kv[1])}
-    core = sum(per_step.get(k, 0.0) for k in ("model forward", "backward", "optimizer step"))
-    nested = sum(per_step.get(k, 0.0) for k in NESTED_PARTS)
-    return dict(arm=arm, steps=steps, step_us=1e6 * total / steps, own_us=1e6 * total / steps - core + nested,
-                parts_us=per_step)
+    plain_parts = {label: 1e6 * s / steps for label, s in plain_spent.items()}
+    step_us, plain_step_us = 1e6 * totals["arm"] / steps, 1e6 * totals["plain"] / steps
+    own = step_us - sum(per_step.get(k, 0.0) for k in core_parts) + sum(per_step.get(k, 0.0) for k in NESTED_PARTS)
+    plain_own = plain_step_us - sum(plain_parts.get(k, 0.0) for k in core_parts)
+    return dict(arm=arm, steps=steps, step_us=step_us, own_us=own, parts_us=per_step,
+                plain_step_us=plain_step_us, plain_own_us=plain_own, plain_parts_us=plain_parts,
+                own_over_plain_us=own - plain_own)
 
 
 # ================================================================================= memory ====
@@ -1055,8 +1079,14 @@ def goal_lines(results: dict[str, Any]) -> list[str]:
                         f"; while timed the guard refused {refused['skipped_steps']} steps, rolling back "
                         f"{refused['divergence_rollbacks']} times")
         b = r.get("breakdown")
-        own_text = ("" if not b else f"; its own time part by part (below) {b['own_us']:.0f} µs, "
-                    f"{100 * b['own_us'] / b['step_us']:.1f}% of its step")
+        own_text = ""
+        if b and b.get("own_over_plain_us") is not None:
+            own_text = (f"; its own time over the plain loop's outside forward, backward and optimizer, part by "
+                        f"part (below; what it saves inside them not counted): {b['own_over_plain_us']:+.0f} µs, "
+                        f"{100 * b['own_over_plain_us'] / b['plain_step_us']:+.1f}% of the plain step")
+        elif b:
+            own_text = (f"; its own time part by part (below) {b['own_us']:.0f} µs, "
+                        f"{100 * b['own_us'] / b['step_us']:.1f}% of its step")
         out.append(f"- {model}: {c['overhead_us']:+.0f} µs ({100 * (c['time_ratio'] - 1):+.1f}%{goal['shown']}), "
                    f"goal {goal['goal']}: {goal['verdict']}{floor_text}{lean_text}{own_text}{refused_text}")
     return out
@@ -1232,6 +1262,10 @@ def markdown(results: dict[str, Any]) -> str:
                          f"{b['own_us']:.0f} µs ({100 * b['own_us'] / b['step_us']:.1f}%: step minus forward, "
                          f"backward and optimizer{' plus ' + ' and '.join(nested) if nested else ''}); µs per step "
                          f"over {b['steps']} steps: {parts}"
+                         + ("" if b.get("plain_own_us") is None else
+                            f"; the plain loop, timed in turn: step {b['plain_step_us']:.0f} µs, of which "
+                            f"{b['plain_own_us']:.0f} µs outside forward, backward and optimizer (`zero_grad`, the "
+                            f"loop), so the trainer's own over it {b['own_over_plain_us']:+.0f} µs")
                          + (f" (from `{run['command']}` at {run['date']}, commit {(run['git']['commit'] or '?')[:10]}"
                             f"{_machine_said(run.get('machine'), None)})" if run else ""))
     if any(r.get("breakdown") for r in results["models"].values()):

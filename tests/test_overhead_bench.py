@@ -271,7 +271,11 @@ def test_quick_run_reports_every_arm_with_ratios_from_its_measurements(tmp_path)
     report = (tmp_path / "overhead_quick.md").read_text()
     assert "over 7 steps" in report
     assert "(from `python -m bench.overhead --quick --models tiny --warmup 3 --breakdown-only --breakdown-steps 7" in report
-    assert f"its own time part by part (below) {parted['breakdown']['own_us']:.0f} µs" in report
+    b = parted["breakdown"]
+    assert f"not counted): {b['own_over_plain_us']:+.0f} µs" in report
+    assert b["own_over_plain_us"] == pytest.approx(b["own_us"] - b["plain_own_us"])
+    assert b["plain_own_us"] == pytest.approx(b["plain_step_us"] - sum(
+        b["plain_parts_us"][k] for k in ("model forward", "backward", "optimizer step")))
 
 
 def test_arms_times_only_the_named_arms_and_keeps_the_rest_against_their_own_plain_loop(tmp_path):
