@@ -161,6 +161,26 @@ def _overhead_rows() -> list[tuple[str, str, str]]:
         return ("; the host's speed when each was timed (a Python loop step, one thread's memory read): "
                 + "; ".join(f"{said} ({' / '.join(names)})" for said, names in groups.items()))
 
+    def parted() -> dict[str, dict]:
+        """The models whose breakdown timed the plain loop in turn (``own_over_plain_us``)."""
+        return {m: data["models"][m]["breakdown"] for m in models
+                if (data["models"][m].get("breakdown") or {}).get("own_over_plain_us") is not None}
+
+    def own_parts() -> str:
+        """The trainer's own time over the plain loop's outside forward, backward and optimizer,
+        part by part (``bench.overhead``'s breakdown), where the whole-step pairs leave a verdict open."""
+        b = parted()
+        if not b:
+            return ""
+        return ("; its own time over the plain loop's outside forward, backward and optimizer, part by part "
+                "(what it saves inside them not counted) "
+                + " / ".join(f"{e['own_over_plain_us']:+.0f} µs ({100 * e['own_over_plain_us'] / e['plain_step_us']:+.1f}%)"
+                             for e in b.values()) + f" ({' / '.join(OVERHEAD_MODELS[m] for m in b)})")
+
+    def own_parts_cmd() -> str:
+        runs = [e["run"] for e in parted().values() if e.get("run")]
+        return "" if not runs else " " + commands(runs)
+
     entries = [data["models"][m] for m in models]
     # A model timed with --arms keeps its other arms' times (each with the run that timed it,
     # ``time_run``) and its memory figures and exploration (``memory_run``) from earlier runs.
@@ -190,7 +210,7 @@ def _overhead_rows() -> list[tuple[str, str, str]]:
             f"{' / '.join(format(a[FLOOR]['vs_plain']['overhead_us'], '+.0f') for a in models.values() if FLOOR in a)} µs "
             f"({' / '.join(OVERHEAD_MODELS[m] for m, a in models.items() if FLOOR in a)})"
             if any(FLOOR in a for a in models.values()) else "")
-         + lean_calls() + hosts(), time_cmd),
+         + own_parts() + lean_calls() + hosts(), time_cmd + own_parts_cmd()),
         (f"Peak training memory next to the plain loop ({' / '.join(OVERHEAD_MODELS[m] for m in sized)})",
          f"`predict=False` {memory('predict=False')}; default config {memory('default')} (goals 1.03× and 1.10×; "
          f"T: exact peak of live tensor bytes, where peak RSS moves more between runs than 3% of the plain "
