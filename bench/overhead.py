@@ -714,7 +714,8 @@ BREAKDOWN_PARTS = {  # label: (object path from the trainer, "" for the trainer 
 NESTED_PARTS = ("Gram norms: forward hooks", "Gram norms: backward hooks")
 
 
-def breakdown(workload: Workload, arm: str, device: torch.device, warmup: int, steps: int) -> dict[str, Any]:
+def breakdown(workload: Workload, arm: str, device: torch.device, warmup: int, steps: int,
+              bar: Any = None) -> dict[str, Any]:
     """Where one arm's step time goes: the model's forward (``loss_fn``), ``backward`` and the
     optimizer step, timed by wrapping them, the trainer's own parts likewise; ``own_us`` is the
     step minus forward, backward and optimizer, plus the trainer's parts that ran inside them
@@ -723,7 +724,7 @@ def breakdown(workload: Workload, arm: str, device: torch.device, warmup: int, s
     same three parts (``plain_own_us``: ``zero_grad``, freeing the gradients, the loop itself) is
     what a loop costs outside them anyway, so ``own_over_plain_us``, the difference, is what the
     trainer adds over the plain loop. Mean µs per step over ``steps`` steps of each (each wrapper
-    adds well under a µs)."""
+    adds well under a µs). ``bar``: a progress bar (tqdm) advanced by each step of either loop."""
     spent: dict[str, float] = {}
     plain_spent: dict[str, float] = {}
     current = {"spent": spent}  # the arm stepping now: whose backward a wrapped call is
@@ -768,6 +769,8 @@ def breakdown(workload: Workload, arm: str, device: torch.device, warmup: int, s
                 started = time.perf_counter()
                 for i in range(start, min(start + chunk, warmup + steps)):
                     fn(workload.batches[i % n])
+                    if bar is not None:
+                        bar.update()
                 _sync(device)
                 totals[name] += time.perf_counter() - started
     finally:
@@ -1395,8 +1398,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.breakdown_only:  # the model's other figures as the run that measured them left them
             parts_steps = args.breakdown_steps or (BIG_BREAKDOWN_STEPS if big else 300)
             parts_warmup = args.warmup if args.warmup is not None else (BIG_WARMUP if big else warmup)
-            entry = dict(previous[name], breakdown=breakdown(workload, "predict=False", device, parts_warmup,
-                                                             parts_steps))
+            with tqdm(total=2 * parts_steps, desc=f"{name}: breakdown", leave=False) as bar:
+                entry = dict(previous[name], breakdown=breakdown(workload, "predict=False", device, parts_warmup,
+                                                                 parts_steps, bar))
             entry["breakdown"]["run"] = dict(command=results["command"], date=results["date"], git=results["git"],
                                              machine=results["machine"])
             results["models"][name] = entry
@@ -1440,7 +1444,8 @@ def main(argv: list[str] | None = None) -> int:
                 keep_untimed_arms(previous[name], entry, args.arms)
             parts_steps = args.breakdown_steps if args.breakdown_steps is not None else (10 if args.quick else 300)
             if parts_steps and not big and names is None:
-                entry["breakdown"] = breakdown(workload, "predict=False", device, warmup, parts_steps)
+                with tqdm(total=2 * parts_steps, desc=f"{name}: breakdown", leave=False) as bar:
+                    entry["breakdown"] = breakdown(workload, "predict=False", device, warmup, parts_steps, bar)
         if not args.memory_only and args.arms is None and explore_steps:
             with tqdm(total=-(-explore_steps // chunk), desc=f"{name}: until prediction is off", leave=False) as bar:
                 entry["exploration"] = exploration(workload, device, explore_steps, chunk, bar, separate=big,
