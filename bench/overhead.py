@@ -723,7 +723,8 @@ def breakdown(workload: Workload, arm: str, device: torch.device, warmup: int, s
     way, in chunks of up to one good-state period taken in turn with the arm's: its step minus the
     same three parts (``plain_own_us``: ``zero_grad``, freeing the gradients, the loop itself) is
     what a loop costs outside them anyway, so ``own_over_plain_us``, the difference, is what the
-    trainer adds over the plain loop. Mean µs per step over ``steps`` steps of each (each wrapper
+    trainer adds over the plain loop outside them (what it saves inside them, as the update
+    without torch's profiler scope, is not counted; the whole-step pairs count it). Mean µs per step over ``steps`` steps of each (each wrapper
     adds well under a µs). ``bar``: a progress bar (tqdm) advanced by each step of either loop."""
     spent: dict[str, float] = {}
     plain_spent: dict[str, float] = {}
