@@ -138,6 +138,23 @@ def test_breakdown_of_a_per_step_arm_times_the_lean_step_s_check_and_end():
     assert timed["gradient norm and read (guard)"] > 0
 
 
+def test_breakdown_times_the_trainer_s_update_without_sending_it_through_torch_s_profiler_scope(monkeypatch):
+    """Timing the update must not change it: the trainer skips the optimizer's profiler-scoped
+    ``step`` (hybrid_trainer.optimizer_call), the plain loop does not, and the breakdown keeps it so
+    (a wrapper on the optimizer's ``step`` sent the trainer's update through the scope too)."""
+    scoped = []
+    entry = torch.optim.Optimizer._optimizer_step_code  # what torch's wrapped ``step`` calls, scope open
+
+    def counting(self):
+        scoped.append(self)
+        return entry(self)
+    monkeypatch.setattr(torch.optim.Optimizer, "_optimizer_step_code", counting)
+    workload = overhead.make_workload("tiny", 8, torch.device("cpu"))
+    parts = overhead.breakdown(workload, "predict=False", torch.device("cpu"), 5, 20)
+    assert parts["parts_us"]["optimizer step"] > 0 and parts["plain_parts_us"]["optimizer step"] > 0
+    assert len(scoped) == 5 + 20 and len({id(o) for o in scoped}) == 1  # the plain loop's steps alone
+
+
 def test_breakdown_counts_the_gram_hooks_inside_forward_and_backward_as_the_trainer_s_own():
     """A 1024 x 1024 layer over 2 rows gets its weight-gradient norm from Grams (hybrid_trainer.gram_norm):
     the hooks run inside the model's forward and backward, whose wrapped time holds them, so the
