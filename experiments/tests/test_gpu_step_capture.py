@@ -37,7 +37,8 @@ def test_the_captured_step_trains_as_the_eager_step_does():
     workload = make_workload("tiny", 4, device)
     step = gpu_step_capture.captured_arm(workload, device, guarded=False)
     reference = workload.make_model(0)
-    optimizer = torch.optim.AdamW(reference.parameters(), lr=workload.lr, fused=True)
+    # capturable, as the captured arm's: the step count and bias corrections on the device, the same arithmetic
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=workload.lr, fused=True, capturable=True)
 
     def eager(batch):
         optimizer.zero_grad(set_to_none=True)
