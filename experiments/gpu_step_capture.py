@@ -12,6 +12,11 @@ Arms, interleaved chunk by chunk in one process, every one over ``AdamW(fused=Tr
 
 * ``plain``: ``zero_grad``, forward, backward, ``step``;
 * ``trainer``: ``HybridTrainer`` with ``predict=False`` (on CUDA it reads every 16 steps);
+* ``plain, lean calls``: the plain loop with gradients set to None and the update without torch's
+  profiler scope, as the trainer makes those two calls;
+* ``lean + guard ops (...)``: that loop plus the device work of the trainer's deferred guard and
+  none of its Python, with the norms taken per gradient (as the trainer does) or as one norm of the
+  gradients concatenated: what the guard's ops cost apart from the trainer's bookkeeping;
 * ``plain, captured``: the plain step captured whole (``capturable=True``), a step = two copies of
   the batch into static buffers and one replay;
 * ``guarded, captured``: the same, with the guard's device work in the graph (the per-gradient
@@ -66,6 +71,72 @@ def trainer_arm(workload, device) -> tuple[Callable[[Any], Any], Any]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=workload.lr, fused=True)
     trainer = HybridTrainer(model, optimizer, workload.loss_fn, HybridConfig(seed=0, predict=False))
     return trainer.step, trainer
+
+
+def lean_arm(workload, device) -> Callable[[Any], None]:
+    """The plain loop making its two calls as the trainer does: gradients set to None, the update
+    without torch's profiler scope (hybrid_trainer.optimizer_call)."""
+    from hybrid_trainer.optimizer_call import OptimizerStep
+
+    model = workload.make_model(0)
+    params = list(model.parameters())
+    update = OptimizerStep(torch.optim.AdamW(params, lr=workload.lr, fused=True))
+
+    def step(batch) -> None:
+        for p in params:
+            p.grad = None
+        workload.loss_fn(model, batch).backward()
+        update()
+    return step
+
+
+GUARD_VARIANTS = ("norm per gradient", "one norm of the concatenated gradients")
+
+
+def guard_ops_arm(workload, device, variant: str) -> Callable[[Any], None]:
+    """The lean loop plus the device work of the trainer's deferred guard and nothing of its Python:
+    ``[loss, norms]`` stacked, GradScaler's non-finite check setting ``found_inf``, the fused
+    update told to skip on it, the values queued and read once per ``RING`` steps. The norms as
+    the trainer takes them (``variant`` "norm per gradient": one ``_foreach_norm``, whose outputs are
+    one tensor per gradient) or as one norm of the gradients concatenated (two ops whatever their
+    number)."""
+    from hybrid_trainer.optimizer_call import OptimizerStep
+
+    if variant not in GUARD_VARIANTS:
+        raise ValueError(f"variant: one of {GUARD_VARIANTS}, got {variant!r}")
+    model = workload.make_model(0)
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(params, lr=workload.lr, fused=True)
+    update = OptimizerStep(optimizer)
+    found = torch.zeros((), dtype=torch.float32, device=device)
+    one = torch.ones((), dtype=torch.float32, device=device)
+    queued: list[torch.Tensor] = []
+    read: list[list[float]] = []
+
+    def step(batch) -> None:
+        for p in params:
+            p.grad = None
+        loss = workload.loss_fn(model, batch)
+        loss.backward()
+        grads = [p.grad for p in params]
+        if variant == GUARD_VARIANTS[0]:
+            values = torch.stack([loss.detach().float(), *torch._foreach_norm(grads)])
+        else:
+            norm = torch.linalg.vector_norm(torch.cat([g.view(-1) for g in grads]))
+            values = torch.stack([loss.detach().float(), norm])
+        found.zero_()
+        torch._amp_foreach_non_finite_check_and_unscale_([values], found, one)
+        optimizer.found_inf = found
+        try:
+            update()
+        finally:
+            del optimizer.found_inf
+        queued.append(values)
+        if len(queued) == RING:
+            read.append(torch.cat(queued).tolist())  # the block's one read
+            queued.clear()
+    step.read, step.model = read, model  # type: ignore[attr-defined]
+    return step
 
 
 def captured_arm(workload, device, guarded: bool) -> Callable[[Any], None]:
@@ -185,7 +256,10 @@ def kernel_counts(step: Callable[[Any], Any], batches: list, device, steps: int)
 def run(model: str, device: torch.device, rounds: int, chunk: int, profile_steps: int) -> dict[str, Any]:
     workload = make_workload(model, 64, device)
     trainer_step, trainer = trainer_arm(workload, device)
-    arms: dict[str, Callable[[Any], Any]] = {"plain": plain_arm(workload, device), "trainer": trainer_step}
+    arms: dict[str, Callable[[Any], Any]] = {"plain": plain_arm(workload, device), "trainer": trainer_step,
+                                              "plain, lean calls": lean_arm(workload, device)}
+    for variant in GUARD_VARIANTS:
+        arms[f"lean + guard ops ({variant})"] = guard_ops_arm(workload, device, variant)
     capture_error = None
     if device.type == "cuda":
         try:

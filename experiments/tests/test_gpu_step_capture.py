@@ -15,7 +15,9 @@ def test_a_cpu_run_times_the_eager_arms_and_profiles_the_trainer(tmp_path):
     saved = json.loads((tmp_path / "gpu_step_capture_cpu.json").read_text())
     assert saved["meta"]["command"].startswith("python -m experiments.gpu_step_capture --device cpu")
     run = saved["results"][0]
-    assert list(run["arms"]) == ["plain", "trainer"] and run["capture_error"] is None
+    assert list(run["arms"]) == ["plain", "trainer", "plain, lean calls",
+                                 *[f"lean + guard ops ({v})" for v in gpu_step_capture.GUARD_VARIANTS]]
+    assert run["capture_error"] is None
     plain, trainer = run["arms"]["plain"]["per_round_us"], run["arms"]["trainer"]["per_round_us"]
     assert len(plain) == len(trainer) == 6
     assert run["arms"]["trainer"]["over_plain_us"] == pytest.approx(
@@ -70,3 +72,25 @@ def test_the_guarded_graph_skips_a_non_finite_step_and_reads_once_per_ring():
     assert len(step.read) == 1 and len(step.read[0]) == gpu_step_capture.RING
     assert all(torch.tensor(row).isfinite().all() for row in step.read[0][:-1])
     assert not torch.tensor(step.read[0][-1]).isfinite().all()
+
+
+def test_both_guard_op_variants_read_the_same_norm_and_skip_a_non_finite_step():
+    """The two ways of taking the norm give the global gradient norm to float32 rounding, and a NaN
+    batch's update is skipped on the device (the weights do not move)."""
+    from bench.overhead import make_workload
+
+    workload = make_workload("tiny", 4, torch.device("cpu"))
+    steps = {v: gpu_step_capture.guard_ops_arm(workload, torch.device("cpu"), v) for v in gpu_step_capture.GUARD_VARIANTS}
+    for step in steps.values():
+        for i in range(gpu_step_capture.RING - 1):
+            step(workload.batches[i % 4])
+        before = [p.detach().clone() for p in step.model.parameters()]
+        x, y = workload.batches[0]
+        step((torch.full_like(x, float("nan")), y))
+        assert all(torch.equal(p, q) for p, q in zip(step.model.parameters(), before))
+    per_gradient, concatenated = (steps[v].read[0] for v in gpu_step_capture.GUARD_VARIANTS)
+    norms = len(list(workload.make_model(0).parameters()))
+    for i in range(gpu_step_capture.RING - 1):
+        row = per_gradient[i * (1 + norms):(i + 1) * (1 + norms)]
+        assert row[0] == pytest.approx(concatenated[2 * i], rel=1e-6)  # the same loss
+        assert sum(n * n for n in row[1:]) ** 0.5 == pytest.approx(concatenated[2 * i + 1], rel=1e-5)
