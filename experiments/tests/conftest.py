@@ -24,6 +24,18 @@ def _seed():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """A benchmark's ``main`` called by a test sets the environment for the processes it starts
+    (``bench.overhead`` pops TRITON_INTERPRET and sets HYBRID_KERNELS_BACKEND=eager); left set, it
+    sent a later test in the same worker down the eager path where it asserts the kernel's."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 @pytest.fixture
 def eager_backend(monkeypatch):
     """Run the test body with the eager reference forced (the CPU path the probes time)."""
