@@ -724,36 +724,37 @@ def breakdown(workload: Workload, arm: str, device: torch.device, warmup: int, s
     same three parts (``plain_own_us``: ``zero_grad``, freeing the gradients, the loop itself) is
     what a loop costs outside them anyway, so ``own_over_plain_us``, the difference, is what the
     trainer adds over the plain loop outside them (what it saves inside them, as the update
-    without torch's profiler scope, is not counted; the whole-step pairs count it). Mean µs per step over ``steps`` steps of each (each wrapper
-    adds well under a µs). ``bar``: a progress bar (tqdm) advanced by each step of either loop."""
+    without torch's profiler scope, is not counted; the whole-step pairs count it). Mean µs per
+    step over ``steps`` steps of each (each wrapper adds well under a µs). ``bar``: a progress bar
+    (tqdm) advanced by each step of either loop."""
     spent: dict[str, float] = {}
     plain_spent: dict[str, float] = {}
-    current = {"spent": spent}  # the arm stepping now: whose backward a wrapped call is
+    current = {"spent": spent}  # the book of the loop stepping now, which every wrapped call runs in
 
-    def timed(label: str, fn, into: dict[str, float] | None = None):
+    def timed(label: str, fn):
         def wrapper(*args, **kwargs):
             started = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                book = current["spent"] if into is None else into
+                book = current["spent"]
                 book[label] = book.get(label, 0.0) + time.perf_counter() - started
         return wrapper
 
     step, trainer, _ = _arm_step(arm, workload, device)
-    trainer.loss_fn = timed("model forward", trainer.loss_fn, spent)
+    trainer.loss_fn = timed("model forward", trainer.loss_fn)
     # The trainer's update through its own call (hybrid_trainer.optimizer_call), which skips torch's
     # profiler scope: a wrapper on the optimizer's ``step`` would send it through that scope.
-    trainer.guard.step_optimizer = timed("optimizer step", trainer.guard.step_optimizer, spent)
+    trainer.guard.step_optimizer = timed("optimizer step", trainer.guard.step_optimizer)
     for label, (path, method) in BREAKDOWN_PARTS.items():
         owner = trainer
         for name in filter(None, path.split(".")):
             owner = getattr(owner, name, None)
         if owner is not None:
-            setattr(owner, method, timed(label, getattr(owner, method), spent))
-    plain_workload = dataclasses.replace(workload, loss_fn=timed("model forward", workload.loss_fn, plain_spent))
-    plain, _, _ = _arm_step("plain", plain_workload, device)
-    plain.optimizer.step = timed("optimizer step", plain.optimizer.step, plain_spent)
+            setattr(owner, method, timed(label, getattr(owner, method)))
+    plain, _, _ = _arm_step("plain", dataclasses.replace(workload, loss_fn=timed("model forward", workload.loss_fn)),
+                            device)
+    plain.optimizer.step = timed("optimizer step", plain.optimizer.step)
     backward = torch.Tensor.backward
     torch.Tensor.backward = timed("backward", backward)
     totals = {"arm": 0.0, "plain": 0.0}

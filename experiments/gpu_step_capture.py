@@ -24,8 +24,9 @@ Arms, interleaved chunk by chunk in one process, every one over ``AdamW(fused=Tr
   fused update reads to skip itself), plus one copy of the step's values into a ring of 16 that is
   read back once per 16 steps, as the trainer's deferred checks read.
 
-Then, for the trainer alone: a ``cProfile`` of its steady steps (host time by function) and the
-count of device kernels a step launches against the plain loop's (``torch.profiler``).
+Before the timing, for the trainer alone: a ``cProfile`` of its steady steps (host time by
+function) and the count of device kernels a step launches against the plain loop's
+(``torch.profiler``).
 
 Run: ``python -m experiments.gpu_step_capture --device cuda`` (``--device cpu`` runs the eager
 arms and the profile, as a check of the probe itself). Writes
@@ -36,8 +37,8 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import pstats
+import shlex
 import statistics
 import sys
 import time
@@ -47,7 +48,7 @@ from typing import Any, Callable
 import torch
 
 from bench.overhead import make_workload, median_interval_ranks
-from bench.protocol import run_metadata
+from bench.protocol import run_metadata, write_results
 
 RESULTS = Path(__file__).parent / "results"
 RING = 16
@@ -339,13 +340,10 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  {name}: {row['step_us']:.0f} µs" + (f", {row['over_plain_us']:+.0f} µs over plain"
                                                          if "over_plain_us" in row else ""), flush=True)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    command = "python -m experiments.gpu_step_capture " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m experiments.gpu_step_capture " + shlex.join(sys.argv[1:] if argv is None else argv)
     meta = run_metadata(command, device_name=name)
     stem = "gpu_step_capture_" + ("cuda" if device.type == "cuda" else "cpu")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{stem}.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
-    (args.out / f"{stem}.md").write_text(report(results, meta))
-    print(f"wrote {args.out / stem}.{{json,md}}")
+    write_results(args.out, stem, dict(meta=meta, results=results), report(results, meta))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ os.environ.pop("HYBRID_KERNELS_BACKEND", None)  # tests choose backends explicit
 
 import pytest  # noqa: E402
 
+from _environment import _environment_restored  # noqa: E402,F401  (autouse: every test)
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -17,18 +19,6 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def _seed():
     torch.manual_seed(0)
     yield
-
-
-@pytest.fixture(autouse=True)
-def _environment_restored():
-    """A benchmark's ``main`` called by a test sets the environment for the processes it starts
-    (``bench.overhead`` pops TRITON_INTERPRET and sets HYBRID_KERNELS_BACKEND=eager); left set, it
-    sent a later test in the same worker down the eager path where it asserts the kernel's."""
-    saved = dict(os.environ)
-    yield
-    if os.environ != saved:
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 @pytest.fixture

@@ -16,24 +16,13 @@ import pytest  # noqa: E402
 # The test helpers shared with tests/ (``_images``) live there; make them importable when only
 # experiments/tests is collected, as pytest does for tests/ itself.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+from _environment import _environment_restored  # noqa: E402,F401  (autouse: every test)
 
 
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
     yield
-
-
-@pytest.fixture(autouse=True)
-def _environment_restored():
-    """A benchmark's ``main`` called by a test sets the environment for the processes it starts
-    (``bench.overhead`` pops TRITON_INTERPRET and sets HYBRID_KERNELS_BACKEND=eager); left set, it
-    sent a later test in the same worker down the eager path where it asserts the kernel's."""
-    saved = dict(os.environ)
-    yield
-    if os.environ != saved:
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 @pytest.fixture
