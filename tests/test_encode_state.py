@@ -89,6 +89,32 @@ def test_package_exports():
     assert {"encode_state", "StateHistory"} <= set(hybrid_kernels.__all__)
 
 
+def test_a_compiled_caller_breaks_its_graph_at_encode_state(monkeypatch):
+    """Under torch.compile the features are computed eagerly, outside every graph: the caller's
+    graph stops before the call and goes on after it, and none of encode_state's ops is traced."""
+    monkeypatch.setenv("HYBRID_KERNELS_BACKEND", "eager")  # the interpreter's launches are not the point
+    history = _rich_history(device="cpu")
+    graphs = []
+
+    def count_graphs(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    def caller(x):
+        features = encode_state(history)
+        return (x * 2).sum() + features.sum()
+
+    torch._dynamo.reset()
+    x = torch.arange(4.0)
+    compiled = torch.compile(caller, backend=count_graphs)
+    assert torch.equal(compiled(x), caller(x))
+    traced = [node for graph in graphs for node in graph.graph.nodes if node.op == "call_function"]
+    assert traced, "the caller's own ops were traced"
+    where = [node.meta.get("stack_trace") or "" for node in traced]
+    assert not any("hybrid_kernels" in trace for trace in where), where
+    torch._dynamo.reset()
+
+
 # --------------------------------------------------------------------------------------------
 # Ring buffers
 # --------------------------------------------------------------------------------------------

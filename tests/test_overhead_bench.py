@@ -7,6 +7,27 @@ import torch
 from bench import overhead
 
 
+def memory_stand_in(calls: list, first: dict | None = None):
+    """A stand-in for ``overhead.run_memory_child`` in tests of how a run merges and keeps its
+    figures: a child is a fresh interpreter (~7 s on the CI host, ten per model and run), and
+    the real ones run in :func:`test_quick_run_reports_every_arm_with_ratios_from_its_measurements`.
+    Records each ``(arm, measure)`` in ``calls`` and returns ``first``'s figures for the arm (a
+    results file's ``models[model]``) plus 4 kB, or made-up ones, distinct per arm, without it."""
+
+    def measured(model_name, arm, device, steps, n_batches, measure="rss"):
+        calls.append((arm, measure))
+        kind, key = ("memory", "training_bytes") if measure == "rss" else ("tensors", "tensor_peak_bytes")
+        if first is not None:
+            figures = first["arms"][arm][kind]
+            return dict(figures, **{key: figures[key] + 4096})
+        figures = {key: 1_000_000 + 1000 * list(overhead.ARMS).index(arm)}
+        if measure == "rss" and arm != "plain":
+            figures["trainer_tensor_bytes"] = dict(total=0, by_holder={})
+        return dict(model=model_name, arm=arm, **figures)
+
+    return measured
+
+
 def test_compare_divides_and_subtracts_the_measurements():
     plain = {"time": {"median_us": 1000.0, "real_median_us": 1000.0}, "memory": {"training_bytes": 4_000_000}}
     arm = {"time": {"median_us": 1030.0, "real_median_us": 1100.0}, "memory": {"training_bytes": 4_200_000}}
@@ -224,7 +245,7 @@ def test_exploration_times_the_default_config_from_its_first_step_until_predicti
 
 
 @pytest.mark.slow
-def test_quick_run_reports_every_arm_with_ratios_from_its_measurements(tmp_path):
+def test_quick_run_reports_every_arm_with_ratios_from_its_measurements(tmp_path, monkeypatch):
     assert overhead.main(["--quick", "--models", "tiny", "--warmup", "3", "--steps", "10", "--chunk", "5",
                           "--memory-steps", "25", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "overhead_quick.json").read_text())
@@ -271,14 +292,20 @@ def test_quick_run_reports_every_arm_with_ratios_from_its_measurements(tmp_path)
     table = (tmp_path / "overhead_quick.md").read_text()
     assert "| tiny |" in table and "| weight_average |" in table
     assert "- tiny: still on after 40 steps" in table
-    # --memory-only measures memory again and keeps every arm's time figures, naming their run.
+    # --memory-only measures memory again and keeps every arm's time figures, naming their run
+    # (the children above were real; these return the first figures plus 4 kB, to be told apart).
+    calls = []
+    monkeypatch.setattr(overhead, "run_memory_child", memory_stand_in(calls, results["models"]["tiny"]))
     assert overhead.main(["--quick", "--models", "tiny", "--memory-steps", "25", "--memory-only",
                           "--out", str(tmp_path)]) == 0
+    assert calls == [(arm, measure) for arm in overhead.ARMS for measure in ("rss", "tensors")]
     again = json.loads((tmp_path / "overhead_quick.json").read_text())["models"]["tiny"]
     for name, arm in arms.items():
         assert again["arms"][name]["time"] == arm["time"]
     assert again["time_run"] == results["models"]["tiny"]["run"]
-    assert again["arms"]["plain"]["memory"]["training_bytes"] > 0
+    for name in overhead.ARMS:
+        assert again["arms"][name]["memory"]["training_bytes"] == arms[name]["memory"]["training_bytes"] + 4096
+        assert again["arms"][name]["tensors"]["tensor_peak_bytes"] == arms[name]["tensors"]["tensor_peak_bytes"] + 4096
     # --breakdown-only times the parts again and keeps every other figure, naming the run it made.
     assert overhead.main(["--quick", "--models", "tiny", "--warmup", "3", "--breakdown-only", "--breakdown-steps", "7",
                           "--out", str(tmp_path)]) == 0
@@ -295,12 +322,16 @@ def test_quick_run_reports_every_arm_with_ratios_from_its_measurements(tmp_path)
         b["plain_parts_us"][k] for k in ("model forward", "backward", "optimizer step")))
 
 
-def test_arms_times_only_the_named_arms_and_keeps_the_rest_against_their_own_plain_loop(tmp_path):
+def test_arms_times_only_the_named_arms_and_keeps_the_rest_against_their_own_plain_loop(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(overhead, "run_memory_child", memory_stand_in(calls))
     common = ["--quick", "--models", "tiny", "--warmup", "3", "--chunk", "5", "--memory-steps", "25",
               "--explore-steps", "10", "--breakdown-steps", "5", "--out", str(tmp_path)]
     assert overhead.main([*common, "--steps", "10"]) == 0
     before = json.loads((tmp_path / "overhead_quick.json").read_text())["models"]["tiny"]
+    assert len(calls) == 2 * len(overhead.ARMS)  # each arm's peak RSS and tensor peak
     assert overhead.main([*common, "--steps", "15", "--arms", "predict=False", overhead.LEAN_PLAIN]) == 0
+    assert len(calls) == 2 * len(overhead.ARMS)  # --arms measures no memory: it keeps it
     after = json.loads((tmp_path / "overhead_quick.json").read_text())["models"]["tiny"]
     arms = after["arms"]
     assert list(arms) == list(before["arms"])
