@@ -63,7 +63,11 @@ the same initial weights, the same batches in the same order and the same seed.
 
 ``--slices N`` splits each round's chunks into N turns per arm (``chunk / N`` steps each; each
 arm's chunk is still one good-state period of its own steps), so that the arms' chunks span the
-same stretch of the round: a host whose speed drifts within a round then slows them alike.
+same stretch of the round: a host whose speed drifts within a round then slows them alike. Above
+``IN_PROCESS_PARAMS`` each turn begins with its own untimed step (the switch of arms' cost) and
+times ``(chunk - 1) / N`` steps; a snapshot that falls on an untimed step is then not timed, so a
+chunk's timed steps hold none, one or two (about one in eleven untimed with N = 5: the snapshot's
+share of the timed steps is that much lower, ~0.04% of the 51M MLP's step).
 
 ``--memory-only`` re-measures memory and keeps each model's time figures from the existing
 results file (the report says which run they came from). ``--arms A [B ...]`` times only those
@@ -506,10 +510,11 @@ def _check_settle(chunk: int, settle: int) -> None:
 
 
 def _check_slices(chunk: int, settle: int, slices: int) -> None:
-    """Slices split a chunk evenly and have no untimed steps of their own (:func:`_interleave`)."""
-    if slices < 1 or chunk % slices or (slices > 1 and settle):
-        raise ValueError(f"slices: a divisor of the chunk ({chunk}) without untimed steps (settle={settle}), "
-                         f"got {slices}")
+    """Slices split a chunk's timed steps evenly, each slice after ``settle`` untimed steps of its
+    own (:func:`_interleave`)."""
+    if slices < 1 or (chunk - settle) % slices:
+        raise ValueError(f"slices: a divisor of the chunk's {chunk - settle} timed steps (chunk {chunk}, "
+                         f"{settle} untimed), got {slices}")
 
 
 def _warm(runner, warmup: int, until_off_max: int) -> int:
@@ -526,19 +531,21 @@ def _warm(runner, warmup: int, until_off_max: int) -> int:
 def _interleave(runners: dict[str, Any], rounds: int, chunk: int, settle: int, progress, slices: int = 1) -> None:
     """``rounds`` rounds, each stepping every runner one chunk, the order rotated each round.
 
-    ``slices`` > 1: a round steps every runner ``chunk // slices`` steps in turn, ``slices``
-    times, the order rotated each slice. Each runner's chunk is still ``chunk`` consecutive steps
+    ``slices`` > 1: a round steps every runner ``(chunk - settle) // slices`` timed steps in
+    turn, each turn after ``settle`` untimed ones, ``slices`` times, the order rotated each slice. Each runner's chunk is still ``chunk`` consecutive steps
     of its own (one good-state period, so one snapshot), but the runners' chunks now span the same
     stretch of the round, so a drift of the host's speed within a round falls on them alike. On
     this project's second CI host the plain loop's 50-step chunk means on the char-LM ranged
-    98-154 ms within one run, which left a 64-round interval 6.7% of the step wide."""
+    98-154 ms within one run, which left a 64-round interval 6.7% of the step wide; on the 51M
+    MLP consecutive 50-step chunks (~50 s each) differed by up to 10% of the step."""
     _check_slices(chunk, settle, slices)
     names = list(runners)
+    turn_steps = settle + (chunk - settle) // slices
     for r in range(rounds):
         for s in range(slices):
             turn = r + s
             for name in names[turn % len(names):] + names[:turn % len(names)]:
-                runners[name].run(chunk // slices, settle=settle)
+                runners[name].run(turn_steps, settle=settle)
         progress.update(1)
 
 
@@ -1168,7 +1175,8 @@ def _chunks_said(results: dict[str, Any]) -> str:
             settle = t.get("settle", 0)
             said[model] = (f"{settle} untimed + {t['chunk'] - settle}" if settle else f"{t['chunk']}") + " timed steps"
             if t.get("slices", 1) > 1:
-                said[model] += f" in {t['slices']} slices between the other arms' (--slices)"
+                said[model] = (f"{t['chunk'] - settle} timed steps in {t['slices']} slices between the other arms' "
+                               f"(--slices)" + (f", each after {settle} untimed" if settle else ""))
     common = max(set(said.values()), key=list(said.values()).count, default="? timed steps")
     others = [f"{m}: {v}" for m, v in said.items() if v != common]
     return common + (f" ({'; '.join(others)})" if others else "")
@@ -1213,8 +1221,8 @@ def markdown(results: dict[str, Any]) -> str:
              "overhead: median over rounds of the arm's chunk mean minus the plain loop's in the same round, with a "
              "distribution-free 95% interval; "
              "arms interleaved chunk by chunk, in one process (models ≤ 5M parameters) or each in a "
-             "process of its own (larger; the first step of each chunk untimed, as it pays for the switch of "
-             f"arms{_pairs_said(results)}); arms with prediction timed once it is off; ratio = (plain step + overhead) / plain step. Real steps: the trainer's non-predicted "
+             "process of its own (larger; the first step of each chunk, or of each slice, untimed, as it pays for "
+             f"the switch of arms{_pairs_said(results)}); arms with prediction timed once it is off; ratio = (plain step + overhead) / plain step. Real steps: the trainer's non-predicted "
              "steps. " + (_CUDA_MEMORY_SAID if on_gpu else
              "Memory, each arm in fresh processes: peak RSS above the baseline after data loading (what a "
              "user meets: tensors, Python objects, allocator slack), and the exact peak of live tensor bytes "
@@ -1303,7 +1311,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slices", type=int, default=1,
                         help="step the arms in turn this many times a round, chunk/slices steps each, so that each "
                              "arm's chunk (still one period of its own steps) spans the same stretch of the round as "
-                             "the others' (models up to 5M parameters; a divisor of the chunk)")
+                             "the others' (a divisor of the chunk; above "
+                             f"{IN_PROCESS_PARAMS // 1_000_000}M parameters of its {PERIOD} timed steps, each slice "
+                             "after an untimed step of its own)")
     parser.add_argument("--memory-steps", type=int, default=None, help="steps per memory run (fresh process)")
     parser.add_argument("--batches", type=int, default=None,
                         help=f"distinct batches, cycled (64; {BIG_BATCHES} for models above "
@@ -1435,7 +1445,7 @@ def main(argv: list[str] | None = None) -> int:
             with tqdm(total=pairs * -(-steps // (chunk - settle)), desc=f"{name}: time", leave=False) as bar:
                 timed = time_interleaved(workload, device, arm_warmup, steps, chunk, bar, separate=big, arms=names,
                                          settle=settle, until_off_max=explore_steps, in_pairs=big,
-                                         slices=1 if big else args.slices)
+                                         slices=args.slices)
             for arm, t in timed.items():
                 if names is not None and arm != "plain":  # beside kept arms, each against its own run's plain loop
                     t.setdefault("plain_chunk_means_us", timed["plain"]["chunk_means_us"])

@@ -613,7 +613,13 @@ def test_slices_interleave_the_arms_chunks_across_the_round_and_keep_each_chunk_
     with pytest.raises(ValueError, match="slices"):
         overhead._interleave(runners, 1, 50, 0, bar, slices=3)  # not a divisor of the chunk
     with pytest.raises(ValueError, match="slices"):
-        overhead._interleave(runners, 1, 51, 1, bar, slices=3)  # untimed steps per slice are not kept apart
+        overhead._interleave(runners, 1, 51, 1, bar, slices=3)  # not a divisor of the 50 timed steps
+    # With an untimed first step per chunk (models above IN_PROCESS_PARAMS, stepped in processes of
+    # their own), each slice has one of its own: the switch of arms is paid on every turn.
+    log.clear()
+    overhead._interleave(runners, 1, overhead.BIG_CHUNK, overhead.BIG_SETTLE, bar, slices=5)
+    turn = overhead.BIG_SETTLE + overhead.PERIOD // 5
+    assert log == [(name, turn) for s in range(5) for name in (["plain", "a", "b"] * 2)[s % 3:s % 3 + 3]]
 
 
 def test_a_chunk_run_in_slices_still_times_one_snapshot_per_period_and_the_report_says_so():
@@ -638,6 +644,21 @@ def test_a_chunk_run_in_slices_still_times_one_snapshot_per_period_and_the_repor
     assert len(summary["chunk_means_us"]) == 4
     said = overhead._chunks_said({"models": {"tiny": {"arms": {"plain": {"time": {"chunk": 50, "slices": 5}}}}}})
     assert said == "50 timed steps in 5 slices between the other arms' (--slices)"
+    said = overhead._chunks_said({"models": {"mlp-50m": {"arms": {"plain": {"time": {"chunk": 51, "settle": 1,
+                                                                                        "slices": 5}}}}}})
+    assert said == "50 timed steps in 5 slices between the other arms' (--slices), each after 1 untimed"
+
+
+def test_slices_with_untimed_steps_time_each_slices_steps_after_its_own_untimed_one():
+    """A model stepped in processes of its own: ``_timed_chunk``'s settle runs once per slice, so
+    the timed steps per round are still the chunk's, and each round is one chunk mean."""
+    workload = overhead.make_workload("tiny", 8, torch.device("cpu"))
+    arm = overhead.LocalArm("predict=False", workload, torch.device("cpu"))
+    overhead._interleave({"predict=False": arm}, 2, 11, 1, _NoProgress(), slices=2)
+    assert arm.times[0] is None and arm.times[6] is None and arm.times[12] is None and len(arm.times) == 24
+    assert sum(t is None for t in arm.times) == 4
+    summary = overhead._time_summary(arm.times, arm.phases, 11, 1)
+    assert summary["steps"] == 20 and len(summary["chunk_means_us"]) == 2
 
 
 def test_slices_must_divide_the_chunk():
