@@ -147,6 +147,17 @@ PERIOD = 50
 # 220), so the arms timed the guard's rollbacks rather than its steady cost.
 BIG_WARMUP, BIG_STEPS, BIG_SETTLE, BIG_BATCHES = 20, 12 * PERIOD, 1, 1024
 BIG_CHUNK = BIG_SETTLE + PERIOD
+
+
+def big_batches(warmup: int, until_off_max: int, steps: int, chunk: int, settle: int, slices: int) -> int:
+    """Distinct batches a model above IN_PROCESS_PARAMS needs so that no arm sees one twice: its
+    warm-up, the steps until prediction is off (at most ``until_off_max``) and every step of its
+    rounds, the untimed first step of each chunk or slice included; at least BIG_BATCHES. A run
+    of 32 rounds in 5 slices (1,760 steps an arm) cycled 1,024 batches, and the guard refused 48
+    of the trainer's 1,600 timed steps as spikes."""
+    timed_per_chunk = chunk - settle
+    rounds = -(-steps // timed_per_chunk)
+    return max(BIG_BATCHES, warmup + until_off_max + rounds * (timed_per_chunk + settle * slices))
 # --breakdown-only on a model above IN_PROCESS_PARAMS: steps timed part by part (two good-state
 # periods, so the snapshot's share is in the mean).
 BIG_BREAKDOWN_STEPS = 2 * PERIOD
@@ -1316,8 +1327,8 @@ def main(argv: list[str] | None = None) -> int:
                              "after an untimed step of its own)")
     parser.add_argument("--memory-steps", type=int, default=None, help="steps per memory run (fresh process)")
     parser.add_argument("--batches", type=int, default=None,
-                        help=f"distinct batches, cycled (64; {BIG_BATCHES} for models above "
-                             f"{IN_PROCESS_PARAMS // 1_000_000}M parameters; by model: {MODEL_BATCHES})")
+                        help=f"distinct batches, cycled (64; for models above {IN_PROCESS_PARAMS // 1_000_000}M "
+                             f"parameters as many as an arm steps, at least {BIG_BATCHES}; by model: {MODEL_BATCHES})")
     parser.add_argument("--explore-steps", type=int, default=None,
                         help="most steps of the default config's run from its first step until prediction is off "
                              "(0: none)")
@@ -1405,10 +1416,12 @@ def main(argv: list[str] | None = None) -> int:
                                  device)
         n_params = sum(p.numel() for p in workload.make_model(0).parameters())
         big = n_params > IN_PROCESS_PARAMS
-        if big and not args.batches_given:
-            workload = make_workload(name, BIG_BATCHES, device)
         chunk = args.chunk if not big or args.chunk_given else BIG_CHUNK
         settle = BIG_SETTLE if big and chunk > BIG_SETTLE else 0
+        if big and not args.batches_given:
+            workload = make_workload(name, big_batches(
+                args.warmup if args.warmup is not None else BIG_WARMUP, explore_steps,
+                args.steps if args.steps is not None else BIG_STEPS, chunk, settle, args.slices), device)
         if args.breakdown_only:  # the model's other figures as the run that measured them left them
             parts_steps = args.breakdown_steps or (BIG_BREAKDOWN_STEPS if big else 300)
             parts_warmup = args.warmup if args.warmup is not None else (BIG_WARMUP if big else warmup)

@@ -649,6 +649,19 @@ def test_a_chunk_run_in_slices_still_times_one_snapshot_per_period_and_the_repor
     assert said == "50 timed steps in 5 slices between the other arms' (--slices), each after 1 untimed"
 
 
+def test_a_big_model_gets_a_batch_for_every_step_an_arm_takes():
+    """No arm of a model above IN_PROCESS_PARAMS sees a batch twice: 32 rounds in 5 slices cycled
+    1,024 batches and drew the guard's refusals."""
+    chunk, settle = overhead.BIG_CHUNK, overhead.BIG_SETTLE
+    assert overhead.big_batches(20, 400, 1600, chunk, settle, 5) == 20 + 400 + 32 * (50 + 5)
+    assert overhead.big_batches(20, 400, 1600, chunk, settle, 1) == 20 + 400 + 32 * 51
+    assert overhead.big_batches(20, 400, 100, chunk, settle, 1) == overhead.BIG_BATCHES  # never fewer than before
+    workload = overhead.make_workload("tiny", 8, torch.device("cpu"))
+    arm = overhead.LocalArm("plain", workload, torch.device("cpu"))
+    overhead._interleave({"plain": arm}, 2, 11, 1, _NoProgress(), slices=2)  # 2 rounds of 2 slices of 1 + 5
+    assert arm.position == 2 * (10 + 1 * 2)  # what big_batches counts per round: timed + settle * slices
+
+
 def test_slices_with_untimed_steps_time_each_slices_steps_after_its_own_untimed_one():
     """A model stepped in processes of its own: ``_timed_chunk``'s settle runs once per slice, so
     the timed steps per round are still the chunk's, and each round is one chunk mean."""
