@@ -147,17 +147,6 @@ PERIOD = 50
 # 220), so the arms timed the guard's rollbacks rather than its steady cost.
 BIG_WARMUP, BIG_STEPS, BIG_SETTLE, BIG_BATCHES = 20, 12 * PERIOD, 1, 1024
 BIG_CHUNK = BIG_SETTLE + PERIOD
-
-
-def big_batches(warmup: int, until_off_max: int, steps: int, chunk: int, settle: int, slices: int) -> int:
-    """Distinct batches a model above IN_PROCESS_PARAMS needs so that no arm sees one twice: its
-    warm-up, the steps until prediction is off (at most ``until_off_max``) and every step of its
-    rounds, the untimed first step of each chunk or slice included; at least BIG_BATCHES. A run
-    of 32 rounds in 5 slices (1,760 steps an arm) cycled 1,024 batches, and the guard refused 48
-    of the trainer's 1,600 timed steps as spikes."""
-    timed_per_chunk = chunk - settle
-    rounds = -(-steps // timed_per_chunk)
-    return max(BIG_BATCHES, warmup + until_off_max + rounds * (timed_per_chunk + settle * slices))
 # --breakdown-only on a model above IN_PROCESS_PARAMS: steps timed part by part (two good-state
 # periods, so the snapshot's share is in the mean).
 BIG_BREAKDOWN_STEPS = 2 * PERIOD
@@ -515,6 +504,17 @@ def make_arms(names: list[str], workload: Workload, device: torch.device, separa
     return arms
 
 
+def big_batches(warmup: int, until_off_max: int, steps: int, chunk: int, settle: int, slices: int) -> int:
+    """Distinct batches a model above IN_PROCESS_PARAMS needs so that no arm sees one twice: its
+    warm-up, the steps until prediction is off (at most ``until_off_max``) and every step of its
+    rounds, the untimed first step of each chunk or slice included; at least BIG_BATCHES. A run
+    of 32 rounds in 5 slices (1,760 steps an arm) cycled 1,024 batches, and the guard refused 48
+    of the trainer's 1,600 timed steps as spikes."""
+    timed_per_chunk = chunk - settle
+    rounds = -(-steps // timed_per_chunk)
+    return max(BIG_BATCHES, warmup + until_off_max + rounds * (timed_per_chunk + settle * slices))
+
+
 def _check_settle(chunk: int, settle: int) -> None:
     if not 0 <= settle < chunk:
         raise ValueError(f"settle: untimed steps per chunk must be in [0, chunk={chunk}), got {settle}")
@@ -543,9 +543,9 @@ def _interleave(runners: dict[str, Any], rounds: int, chunk: int, settle: int, p
     """``rounds`` rounds, each stepping every runner one chunk, the order rotated each round.
 
     ``slices`` > 1: a round steps every runner ``(chunk - settle) // slices`` timed steps in
-    turn, each turn after ``settle`` untimed ones, ``slices`` times, the order rotated each slice. Each runner's chunk is still ``chunk`` consecutive steps
-    of its own (one good-state period, so one snapshot), but the runners' chunks now span the same
-    stretch of the round, so a drift of the host's speed within a round falls on them alike. On
+    turn, each turn after ``settle`` untimed ones, ``slices`` times, the order rotated each slice.
+    Each runner's chunk is still ``chunk`` consecutive steps of its own (one good-state period,
+    so one snapshot), but the runners' chunks now span the same stretch of the round, so a drift of the host's speed within a round falls on them alike. On
     this project's second CI host the plain loop's 50-step chunk means on the char-LM ranged
     98-154 ms within one run, which left a 64-round interval 6.7% of the step wide; on the 51M
     MLP consecutive 50-step chunks (~50 s each) differed by up to 10% of the step."""
@@ -1184,10 +1184,11 @@ def _chunks_said(results: dict[str, Any]) -> str:
         t = (r["arms"].get("plain") or {}).get("time") or {}
         if "chunk" in t:
             settle = t.get("settle", 0)
-            said[model] = (f"{settle} untimed + {t['chunk'] - settle}" if settle else f"{t['chunk']}") + " timed steps"
             if t.get("slices", 1) > 1:
                 said[model] = (f"{t['chunk'] - settle} timed steps in {t['slices']} slices between the other arms' "
                                f"(--slices)" + (f", each after {settle} untimed" if settle else ""))
+            else:
+                said[model] = (f"{settle} untimed + {t['chunk'] - settle}" if settle else f"{t['chunk']}") + " timed steps"
     common = max(set(said.values()), key=list(said.values()).count, default="? timed steps")
     others = [f"{m}: {v}" for m, v in said.items() if v != common]
     return common + (f" ({'; '.join(others)})" if others else "")
