@@ -96,6 +96,31 @@ def test_the_goal_lines_give_the_overhead_over_the_plain_loop_and_over_its_lean_
     assert "goal ≤ 50 µs: not resolved (the guard refused 11 of its 1000 timed steps)" in line
 
 
+def test_a_second_plain_loop_that_measures_apart_from_the_first_leaves_the_goal_unresolved():
+    """Two identical plain loops are the protocol's own error: where their interval excludes zero,
+    an arm's interval inside the goal proves nothing, and the verdict says so."""
+    plain_means = [1000.0 + 40 * (i % 4) for i in range(20)]
+
+    def arm(offsets):
+        means = [x + d for x, d in zip(plain_means, offsets)]
+        return {"time": {"chunk_median_us": sorted(means)[10], "chunk_means_us": means, "median_us": means[0],
+                         "real_median_us": None}}
+    arms = {"plain": {"time": {"chunk_median_us": 1040.0, "chunk_means_us": plain_means, "median_us": 1000.0,
+                               "real_median_us": 1000.0}},
+            "predict=False": arm([30.0 + i for i in range(20)])}  # 30..49 over the plain loop: met alone
+    arms["predict=False"]["vs_plain"] = overhead.compare(arms["plain"], arms["predict=False"])
+    arms[overhead.PLAIN_AGAIN] = arm([-2.0 + (i % 5) for i in range(20)])  # -2..+2 round by round: holds zero
+    line = overhead.goal_lines({"models": {"m": {"arms": arms}}})[-1]
+    assert "goal ≤ 50 µs: met; a second plain loop (the noise floor) +0 µs (+0.0%) [-1, +1]" in line
+    arms[overhead.PLAIN_AGAIN] = arm([-30.0 + (i % 5) for i in range(20)])  # -30..-26: excludes zero
+    line = overhead.goal_lines({"models": {"m": {"arms": arms}}})[-1]
+    assert ("goal ≤ 50 µs: not resolved (two identical plain loops measured -2.7% [-2.8, -2.6] apart: the "
+            "protocol's error is larger than its interval); a second plain loop (the noise floor) -28 µs") in line
+    step, trainer, _ = overhead._arm_step(overhead.PLAIN_AGAIN, overhead.make_workload("tiny", 2, torch.device("cpu")),
+                                          torch.device("cpu"))
+    assert trainer is None and step.__name__ == "plain"  # the plain loop's own code
+
+
 def test_on_a_gpu_the_goal_is_the_speed_ratio_whatever_the_step():
     """A GPU's goal is predict=False at >= 0.97x the plain loop's speed: an overhead of at most
     3.09% of the plain step, judged on its interval (a 1 ms step's 40 µs would meet the CPU's 50 µs)."""
