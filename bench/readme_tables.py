@@ -143,6 +143,18 @@ def _overhead_rows() -> list[tuple[str, str, str]]:
                 f"{' / '.join('–' if b is None else format(b['median_us'], '+.0f') for _, b in timed.values())} µs "
                 f"({' / '.join(OVERHEAD_MODELS[m] for m in timed)})")
 
+    def noise() -> str:  # a second plain loop, the protocol's own error, where a run timed one
+        from bench.overhead import noise_floor
+
+        timed = {m: (n, data["models"][m]["arms"]["plain"]["time"]["chunk_median_us"])
+                 for m in models if (n := noise_floor(data["models"][m])) is not None}
+        if not timed:
+            return ""
+        return ("; two identical plain loops (the protocol's own error) "
+                + " / ".join(f"{100 * n['median_us'] / step:+.1f}%" + ("" if n["ci95_us"] is None else
+                             " [{:+.1f}, {:+.1f}]".format(*(100 * v / step for v in n["ci95_us"])))
+                             for n, step in timed.values()) + f" apart ({' / '.join(OVERHEAD_MODELS[m] for m in timed)})")
+
     def commands(runs) -> str:  # a file merged from several runs: each run's command, in model order
         return " ".join(f"`{c}`" for c in dict.fromkeys(r["command"] for r in runs))
 
@@ -210,7 +222,7 @@ def _overhead_rows() -> list[tuple[str, str, str]]:
             f"{' / '.join(format(a[FLOOR]['vs_plain']['overhead_us'], '+.0f') for a in models.values() if FLOOR in a)} µs "
             f"({' / '.join(OVERHEAD_MODELS[m] for m, a in models.items() if FLOOR in a)})"
             if any(FLOOR in a for a in models.values()) else "")
-         + own_parts() + lean_calls() + hosts(), time_cmd + own_parts_cmd()),
+         + noise() + own_parts() + lean_calls() + hosts(), time_cmd + own_parts_cmd()),
         (f"Peak training memory next to the plain loop ({' / '.join(OVERHEAD_MODELS[m] for m in sized)})",
          f"`predict=False` {memory('predict=False')}; default config {memory('default')} (goals 1.03× and 1.10×; "
          f"T: exact peak of live tensor bytes, where peak RSS moves more between runs than 3% of the plain "

@@ -116,3 +116,26 @@ def test_the_overhead_rows_name_every_run_their_figures_came_from_and_sign_each_
     exploration = [c for what, (_, c) in rows.items() if what.startswith("The default config while")]
     assert exploration and "--memory-run" in exploration[0]
     assert "+-" not in time_figure and " / -12 / " in time_figure
+
+
+def test_the_overhead_row_gives_the_noise_floor_of_a_model_that_timed_a_second_plain_loop(tmp_path, monkeypatch):
+    """A second plain loop (``bench.overhead.PLAIN_AGAIN``) is the protocol's own error: the row
+    gives its paired difference beside the verdicts, which it can turn to "not resolved"."""
+    from bench import overhead, readme_tables
+
+    data = json.loads((readme_tables.RESULTS / "overhead.json").read_text())
+    for model in data["models"].values():
+        model["arms"].pop(overhead.PLAIN_AGAIN, None)
+    (tmp_path / "overhead.json").write_text(json.dumps(data))
+    monkeypatch.setattr(readme_tables, "RESULTS", tmp_path)
+    assert "two identical plain loops" not in readme_tables._overhead_rows()[0][1]
+    tiny = data["models"]["tiny"]["arms"]
+    plain_means = tiny["plain"]["time"]["chunk_means_us"]
+    step = tiny["plain"]["time"]["chunk_median_us"]
+    # 4% of the step faster in every round: an interval that excludes zero.
+    again = [m - 0.04 * step for m in plain_means]
+    tiny[overhead.PLAIN_AGAIN] = {"time": dict(tiny["plain"]["time"], chunk_means_us=again)}
+    (tmp_path / "overhead.json").write_text(json.dumps(data))
+    figure = readme_tables._overhead_rows()[0][1]
+    assert "two identical plain loops (the protocol's own error) -4.0% [-4.0, -4.0] apart (tiny MLP (fixed cost))" in figure
+    assert "here: not resolved / " in figure  # the tiny MLP's verdict, first of the models
