@@ -120,7 +120,7 @@ def test_the_overhead_rows_name_every_run_their_figures_came_from_and_sign_each_
 
 def test_the_overhead_row_gives_the_noise_floor_of_a_model_that_timed_a_second_plain_loop(tmp_path, monkeypatch):
     """A second plain loop (``bench.overhead.PLAIN_AGAIN``) is the protocol's own error: the row
-    gives its paired difference beside the verdicts, which it can turn to "not resolved"."""
+    gives its paired difference beside the verdicts, which take it off where it is not zero."""
     from bench import overhead, readme_tables
 
     data = json.loads((readme_tables.RESULTS / "overhead.json").read_text())
@@ -132,10 +132,11 @@ def test_the_overhead_row_gives_the_noise_floor_of_a_model_that_timed_a_second_p
     tiny = data["models"]["tiny"]["arms"]
     plain_means = tiny["plain"]["time"]["chunk_means_us"]
     step = tiny["plain"]["time"]["chunk_median_us"]
-    # 4% of the step faster in every round: an interval that excludes zero.
-    again = [m - 0.04 * step for m in plain_means]
+    # 10% of the step faster in every round: an interval that excludes zero, taken off the
+    # trainer's overhead (+25 µs [+22, +28] on a 607 µs step in the committed run) before the verdict.
+    again = [m - 0.10 * step for m in plain_means]
     tiny[overhead.PLAIN_AGAIN] = {"time": dict(tiny["plain"]["time"], chunk_means_us=again)}
     (tmp_path / "overhead.json").write_text(json.dumps(data))
     figure = readme_tables._overhead_rows()[0][1]
-    assert "two identical plain loops (the protocol's own error) -4.0% [-4.0, -4.0] apart (tiny MLP (fixed cost))" in figure
-    assert "here: not resolved / " in figure  # the tiny MLP's verdict, first of the models
+    assert "two identical plain loops (the protocol's own error) -10.0% [-10.0, -10.0] apart (tiny MLP (fixed cost))" in figure
+    assert "here: NOT met / " in figure  # the tiny MLP's verdict, first of the models
