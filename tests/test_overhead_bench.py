@@ -71,15 +71,24 @@ def test_the_overhead_is_the_median_of_paired_chunk_differences_with_a_sign_test
     assert overhead.goal_verdict(48, None, 50) == "met"
 
 
-def test_the_goal_lines_give_the_overhead_over_the_plain_loop_and_over_its_lean_calls():
-    plain_means = [1000.0 + 40 * (i % 4) for i in range(20)]
+# Chunk means of a plain loop over 20 rounds, and an arm's timed that many µs above them round by round.
+PLAIN_MEANS = [1000.0 + 40 * (i % 4) for i in range(20)]
 
-    def arm(offsets):
-        means = [x + d for x, d in zip(plain_means, offsets)]
-        return {"time": {"chunk_median_us": sorted(means)[10], "chunk_means_us": means, "median_us": means[0],
-                         "real_median_us": None}}
-    arms = {"plain": {"time": {"chunk_median_us": 1040.0, "chunk_means_us": plain_means, "median_us": 1000.0,
-                               "real_median_us": 1000.0}},
+
+def _timed_arm(offsets: list[float]) -> dict:
+    means = [x + d for x, d in zip(PLAIN_MEANS, offsets)]
+    return {"time": {"chunk_median_us": sorted(means)[10], "chunk_means_us": means, "median_us": means[0],
+                     "real_median_us": None}}
+
+
+def _plain_arm() -> dict:
+    return {"time": {"chunk_median_us": 1040.0, "chunk_means_us": PLAIN_MEANS, "median_us": 1000.0,
+                     "real_median_us": 1000.0}}
+
+
+def test_the_goal_lines_give_the_overhead_over_the_plain_loop_and_over_its_lean_calls():
+    arm = _timed_arm
+    arms = {"plain": _plain_arm(),
             "predict=False": arm([30.0 + i for i in range(20)]),  # 30..49 over the plain loop
             overhead.LEAN_PLAIN: arm([-40.0 + (i % 2) for i in range(20)])}  # -40 or -39
     for a in ("predict=False", overhead.LEAN_PLAIN):
@@ -99,14 +108,8 @@ def test_the_goal_lines_give_the_overhead_over_the_plain_loop_and_over_its_lean_
 def test_a_second_plain_loop_that_measures_apart_from_the_first_is_taken_off_the_overhead():
     """Two identical plain loops are the protocol's own error: where their interval excludes zero,
     the verdict is drawn from the overhead less it, over an interval that counts both uncertainties."""
-    plain_means = [1000.0 + 40 * (i % 4) for i in range(20)]
-
-    def arm(offsets):
-        means = [x + d for x, d in zip(plain_means, offsets)]
-        return {"time": {"chunk_median_us": sorted(means)[10], "chunk_means_us": means, "median_us": means[0],
-                         "real_median_us": None}}
-    arms = {"plain": {"time": {"chunk_median_us": 1040.0, "chunk_means_us": plain_means, "median_us": 1000.0,
-                               "real_median_us": 1000.0}},
+    arm = _timed_arm
+    arms = {"plain": _plain_arm(),
             "predict=False": arm([30.0 + i for i in range(20)])}  # 30..49 over the plain loop: met alone
     arms["predict=False"]["vs_plain"] = overhead.compare(arms["plain"], arms["predict=False"])
     arms[overhead.PLAIN_AGAIN] = arm([-2.0 + (i % 5) for i in range(20)])  # -2..+2 round by round: holds zero
@@ -130,14 +133,10 @@ def test_a_second_plain_loop_that_measures_apart_from_the_first_is_taken_off_the
 def test_on_a_gpu_the_goal_is_the_speed_ratio_whatever_the_step():
     """A GPU's goal is predict=False at >= 0.97x the plain loop's speed: an overhead of at most
     3.09% of the plain step, judged on its interval (a 1 ms step's 40 µs would meet the CPU's 50 µs)."""
-    plain_means = [1000.0 + 40 * (i % 4) for i in range(20)]
-    plain = {"time": {"chunk_median_us": 1040.0, "chunk_means_us": plain_means, "median_us": 1000.0,
-                      "real_median_us": 1000.0}}
+    plain = _plain_arm()
 
     def entry(offsets):
-        means = [x + d for x, d in zip(plain_means, offsets)]
-        arm = {"time": {"chunk_median_us": sorted(means)[10], "chunk_means_us": means, "median_us": means[0],
-                        "real_median_us": None}}
+        arm = _timed_arm(offsets)
         arm["vs_plain"] = overhead.compare(plain, arm)
         return {"arms": {"plain": plain, "predict=False": arm}}
 
