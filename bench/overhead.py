@@ -135,9 +135,9 @@ TIMED_ONLY = (GUARD_FLOOR, LEAN_PLAIN)  # arms timed beside ARMS, never run for 
 # 51M MLP two runs of the same protocol on nearly the same code gave predict=False +1.2%
 # [-1.3, +2.4] and -2.9% [-3.9, -1.1] (16 and 32 rounds), intervals that exclude each other; its
 # first rounds, stepped on weights bit-equal to the plain loop's (no step refused yet), were
-# already -2% to -3%. In one process it is not zero either: beside the tiny and 1 ms MLPs (one
-# run, 128 rounds each) the second loop measured +8 us [+4, +10] and +16 us [+8, +26]; where its
-# interval excludes zero, time_goal takes it off the arm's overhead before the verdict.
+# already -2% to -3%. In one process it is not zero either: beside the tiny and 1 ms MLPs (the
+# run at c5c9177, 128 rounds each) the second loop measured +9 us [+5, +13] and +28 us [+9, +46];
+# where its interval excludes zero, time_goal takes it off the arm's overhead before the verdict.
 PLAIN_AGAIN = "plain again (noise floor)"
 OPT_IN = (PLAIN_AGAIN,)
 IN_PROCESS_PARAMS = 5_000_000  # above this, each arm is stepped in a process of its own (ProcessArm)
