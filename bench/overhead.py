@@ -556,10 +556,11 @@ def _interleave(runners: dict[str, Any], rounds: int, chunk: int, settle: int, p
     ``slices`` > 1: a round steps every runner ``(chunk - settle) // slices`` timed steps in
     turn, each turn after ``settle`` untimed ones, ``slices`` times, the order rotated each slice.
     Each runner's chunk is still ``chunk`` consecutive steps of its own (one good-state period,
-    so one snapshot), but the runners' chunks now span the same stretch of the round, so a drift of the host's speed within a round falls on them alike. On
-    this project's second CI host the plain loop's 50-step chunk means on the char-LM ranged
-    98-154 ms within one run, which left a 64-round interval 6.7% of the step wide; on the 51M
-    MLP consecutive 50-step chunks (~50 s each) differed by up to 10% of the step."""
+    so one snapshot), but the runners' chunks now span the same stretch of the round, so a drift
+    of the host's speed within a round falls on them alike. On this project's second CI host the
+    plain loop's 50-step chunk means on the char-LM ranged 98-154 ms within one run, which left a
+    64-round interval 6.7% of the step wide; on the 51M MLP consecutive 50-step chunks (~50 s
+    each) differed by up to 10% of the step."""
     _check_slices(chunk, settle, slices)
     names = list(runners)
     turn_steps = settle + (chunk - settle) // slices
@@ -1046,9 +1047,9 @@ def goal_verdict(overhead: float, interval: list[float] | None, goal: float) -> 
 
 def time_goal(entry: dict[str, Any], device: str = "cpu") -> dict[str, Any] | None:
     """A model's time goal for ``predict=False`` on ``device`` (``goal``, its text: the CPU's
-    fixed or relative cost, a GPU's speed ratio), the verdict (:func:`goal_verdict`) and the 95%
-    interval as text (``shown``), from its results entry; None where the arm or the plain loop
-    was not timed.
+    fixed or relative cost, a GPU's speed ratio), the verdict (:func:`goal_verdict`), the 95%
+    interval as text (``shown``) and the noise floor (``noise``, :func:`noise_floor`), from its
+    results entry; None where the arm or the plain loop was not timed.
 
     Where the model timed a second plain loop (:data:`PLAIN_AGAIN`) and its 95% interval excludes
     zero, the protocol has an error of its own: the verdict is drawn from the overhead less that
@@ -1084,11 +1085,12 @@ def time_goal(entry: dict[str, Any], device: str = "cpu") -> dict[str, Any] | No
         return out
     if device.startswith("cuda"):
         return dict(goal=f"≥ {GOAL_GPU_SPEED:.2f}× the plain loop's speed", step_us=step, shown=said(True),
+                    noise=noise,
                     verdict=unsteady or goal_verdict(overhead, interval, (1 / GOAL_GPU_SPEED - 1) * step))
     if step >= GOAL_LONG_STEP_US:
-        return dict(goal=f"≤ {100 * (GOAL_RATIO - 1):.0f}%", step_us=step, shown=said(True),
+        return dict(goal=f"≤ {100 * (GOAL_RATIO - 1):.0f}%", step_us=step, shown=said(True), noise=noise,
                     verdict=unsteady or goal_verdict(overhead, interval, (GOAL_RATIO - 1) * step))
-    return dict(goal=f"≤ {GOAL_FIXED_US:.0f} µs", step_us=step, shown=said(False),
+    return dict(goal=f"≤ {GOAL_FIXED_US:.0f} µs", step_us=step, shown=said(False), noise=noise,
                 verdict=unsteady or goal_verdict(overhead, interval, GOAL_FIXED_US))
 
 
@@ -1141,7 +1143,7 @@ def goal_lines(results: dict[str, Any]) -> list[str]:
             ci = paired["ci95_us"]
             lean_text = (f"; over the plain loop without profiler scopes ({saved:+.0f} µs against the plain loop): "
                          f"{paired['median_us']:+.0f} µs" + ("" if ci is None else f" [{ci[0]:+.0f}, {ci[1]:+.0f}]"))
-        noise = noise_floor(r)
+        noise = goal["noise"]
         noise_text = "" if noise is None else (
             f"; a second plain loop (the noise floor) {noise['median_us']:+.0f} µs "
             f"({100 * noise['median_us'] / step:+.1f}%)" + ("" if noise["ci95_us"] is None else
