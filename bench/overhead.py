@@ -2,6 +2,7 @@
 
     python -m bench.overhead [--models tiny mlp-1ms fashion charlm mlp-50m] [--device cpu|cuda] [--quick]
                              [--memory-only | --arms ARM [ARM ...] | --breakdown-only] [--fused-adamw]
+                             [--slices N] [--runs N]
 
 Every model is trained by the plain loop (``zero_grad``, ``loss.backward()``, ``optimizer.step()``:
 no read of the loss) and by ``HybridTrainer`` in four configurations (``predict=False``, the
@@ -68,6 +69,13 @@ same stretch of the round: a host whose speed drifts within a round then slows t
 times ``(chunk - 1) / N`` steps; a snapshot that falls on an untimed step is then not timed, so a
 chunk's timed steps hold none, one or two (about one in eleven untimed with N = 5: the snapshot's
 share of the timed steps is that much lower, ~0.04% of the 51M MLP's step).
+
+``--runs N`` times each model N times, one run after another, each in a fresh process
+(:func:`time_in_fresh_processes`), and takes the overhead as the median of the runs' own with its
+95% interval over runs (:func:`pool_runs`, :func:`paired_overhead`; at least 6 runs for one):
+the rounds of one process pin down that process's overhead, but on this project's CI host runs
+minutes apart differed by far more than their intervals (the tiny MLP +25, +53 and +55 µs, each
+about ±5), and only an interval over fresh processes counts what differs between them.
 
 ``--memory-only`` re-measures memory and keeps each model's time figures from the existing
 results file (the report says which run they came from). ``--arms A [B ...]`` times only those
@@ -649,6 +657,106 @@ def time_interleaved(workload: Workload, device: torch.device, warmup: int, step
         plain.close()
 
 
+class _Uncounted:
+    """A progress bar that counts nothing: a timing run's own process shows none (``--runs``)."""
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+
+def _timing_run_worker(conn, model_name: str, n_batches: int, device_name: str, options: dict[str, Any]) -> None:
+    """One timing run in a fresh interpreter (``--runs``): builds the model's workload, measures
+    the host's speed, runs :func:`time_interleaved` with ``options`` and sends back both."""
+    import traceback
+
+    try:
+        torch.set_num_threads(1)
+        device = torch.device(device_name)
+        workload = make_workload(model_name, n_batches, device)
+        machine = machine_speed()
+        conn.send(dict(timed=time_interleaved(workload, device, progress=_Uncounted(), **options), machine=machine))
+    except BaseException:
+        conn.send(dict(error=traceback.format_exc()))
+
+
+def time_in_fresh_processes(workload: Workload, device: torch.device, runs: int, progress,
+                            **options: Any) -> list[dict[str, Any]]:
+    """``runs`` timing runs of ``workload``, one after another, each :func:`time_interleaved`
+    with ``options`` in an interpreter of its own (``--runs``); per run its arms' summaries
+    (``timed``) and the host's speed at its start (``machine``). ``progress`` counts runs.
+
+    Why: within one process the arms' chunks are paired round by round, and the interval of the
+    differences says how well the rounds pin down *that process's* overhead. Fresh processes
+    differ by more: on this project's CI host three runs of the tiny MLP minutes apart measured
+    +25, +53 and +55 µs with intervals about ±5 µs, and a second plain loop beside the first
+    measured up to +28 µs in one process. Where an arm's code and data happen to sit in a
+    process is fixed for the whole run and redrawn in the next; only an interval over runs
+    counts it (:func:`paired_overhead`)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")  # a fresh interpreter: nothing inherited but the environment
+    out = []
+    for index in range(runs):
+        receiver, sender = context.Pipe(duplex=False)
+        # Not a daemon: a model above IN_PROCESS_PARAMS starts a process per arm from it.
+        process = context.Process(target=_timing_run_worker,
+                                  args=(sender, workload.name, len(workload.batches), str(device), options))
+        process.start()
+        sender.close()
+        try:
+            reply = receiver.recv()
+        except EOFError:
+            reply = dict(error=f"it ended without a result (exit code {process.join() or process.exitcode})")
+        finally:
+            process.join(timeout=60)
+            if process.is_alive():
+                process.kill()
+                process.join()
+            receiver.close()
+        if "error" in reply:
+            raise RuntimeError(f"timing run {index + 1} of {runs} ({workload.name}) failed:\n{reply['error']}")
+        out.append(reply)
+        progress.update(1)
+    return out
+
+
+def _summed(counts: list[dict[str, int]]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for c in counts:
+        for key, value in c.items():
+            total[key] = total.get(key, 0) + value
+    return total
+
+
+def pool_runs(runs: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Each arm's time summary over several timing runs (``runs``: :func:`time_interleaved`'s
+    result of each, in order). The runs themselves are kept (``runs``), and
+    :func:`paired_overhead` takes the overhead from them run by run; for the table, the chunk
+    means of every run end to end with their median, the median of the runs' per-step medians,
+    and the steps, phases and refusals summed. An arm timed in pairs keeps its plain loop's
+    chunk means end to end beside its own (``plain_chunk_means_us``)."""
+    pooled: dict[str, dict[str, Any]] = {}
+    for arm in runs[0]:
+        parts = [run[arm] for run in runs]
+        means = [m for part in parts for m in part["chunk_means_us"]]
+        steps = sum(part["steps"] for part in parts)
+        real = [part["real_median_us"] for part in parts if part["real_median_us"] is not None]
+        out = dict(parts[0], runs=parts, steps=steps, chunk_means_us=means, chunk_median_us=statistics.median(means),
+                   median_us=statistics.median(part["median_us"] for part in parts),
+                   mean_us=sum(part["mean_us"] * part["steps"] for part in parts) / steps,
+                   real_steps=sum(part["real_steps"] for part in parts),
+                   real_median_us=statistics.median(real) if real else None,
+                   phases=_summed([part["phases"] for part in parts]))
+        if "refusals" in parts[0]:
+            out["refusals"] = _summed([part["refusals"] for part in parts])
+        if "plain_chunk_means_us" in parts[0]:
+            out["plain_chunk_means_us"] = [m for part in parts for m in part["plain_chunk_means_us"]]
+        if "prediction_enabled_at_end" in parts[0]:
+            out["prediction_enabled_at_end"] = any(part["prediction_enabled_at_end"] for part in parts)
+        pooled[arm] = out
+    return pooled
+
+
 def exploration(workload: Workload, device: torch.device, max_steps: int, chunk: int, progress,
                 separate: bool = False, settle: int = 0) -> dict[str, Any]:
     """What the default config costs while prediction can still run, which the table's default
@@ -982,10 +1090,39 @@ def paired_overhead(plain_time: dict, arm_time: dict) -> dict[str, Any] | None:
     interval for it (:func:`median_interval_ranks`). An arm timed in a pair with the plain loop
     is taken against that loop's chunks of its own rounds; ``plain_time`` may then be another
     such arm (over each one's own rounds). None without chunk means (results files from before
-    they were kept)."""
+    they were kept).
+
+    An arm timed in several fresh processes (``--runs``, :func:`pool_runs`): the median of its
+    runs' overheads, each taken as above within its run, and the 95% interval over runs
+    (``runs``, ``run_medians_us``; the min…max of 6 to 8 runs): what differs between processes
+    is then in the interval, which the rounds of one process cannot show
+    (:func:`time_in_fresh_processes`)."""
+    if arm_time.get("runs"):  # timed in several processes (--runs): one overhead per run, the interval over runs
+        # Run i of the arm against run i of the base: the same process where both were timed
+        # together; where one was kept from another invocation (--arms), each run of each is taken
+        # against its own plain loop (plain_chunk_means_us in every run), as below within a run.
+        arm_runs, base_runs = arm_time["runs"], plain_time.get("runs")
+        if (all("plain_chunk_means_us" in r for r in arm_runs) and "plain_chunk_means_us" not in plain_time
+                and not any("plain_chunk_means_us" in r for r in base_runs or [])):
+            # Each run carries its own plain loop and the base is the plain loop itself (of
+            # whichever invocation, however many runs): nothing of the base's is subtracted.
+            base_runs = [dict(chunk_means_us=r["plain_chunk_means_us"]) for r in arm_runs]
+        if base_runs is None or len(base_runs) != len(arm_runs):
+            return None
+        per_run = [paired_overhead(p, a) for p, a in zip(base_runs, arm_runs)]
+        if any(r is None for r in per_run):
+            return None
+        medians = [r["median_us"] for r in per_run]
+        ordered = sorted(medians)
+        ranks = median_interval_ranks(len(ordered))
+        return dict(pairs=sum(r["pairs"] for r in per_run), runs=len(medians), run_medians_us=medians,
+                    median_us=statistics.median(medians),
+                    ci95_us=None if ranks is None else [ordered[ranks[0]], ordered[ranks[1]]])
     a, p = arm_time.get("chunk_means_us"), plain_time.get("chunk_means_us")
     if not a or not p:
         return None
+    if plain_time.get("runs") and ("plain_chunk_means_us" not in arm_time or "plain_chunk_means_us" in plain_time):
+        return None  # a base timed in several runs pairs with an arm of one run only as the plain loop itself
     if "plain_chunk_means_us" in arm_time:  # timed in a pair with the plain loop (time_interleaved's in_pairs)
         # Each against the plain loop of its own rounds; a base that is not the plain loop was
         # timed in a pair of its own, so it is taken over its own rounds' plain loop too.
@@ -1015,6 +1152,8 @@ def compare(plain: dict, arm: dict) -> dict[str, Any]:
         out["time_ratio"] = (p[key] + out["overhead_us"]) / p[key]
         if paired:
             out["overhead_pairs"], out["overhead_ci95_us"] = paired["pairs"], paired["ci95_us"]
+            if "runs" in paired:
+                out["overhead_runs"], out["overhead_run_medians_us"] = paired["runs"], paired["run_medians_us"]
         if a["real_median_us"] is not None:  # against the plain loop of the arm's own run (--arms keeps arms)
             plain_median = a.get("plain_median_us", p["median_us"])
             out["real_step_ratio"] = a["real_median_us"] / plain_median
@@ -1124,7 +1263,8 @@ def goal_lines(results: dict[str, Any]) -> list[str]:
     out = [f"Time goals (`predict=False` over the plain loop, {'a GPU' if on_gpu else 'a CPU'}): "
            f"{goals}; the "
            "overhead is the median of the round-by-round differences of chunk means, with its 95% interval "
-           "(distribution-free, the sign test's) where the run has one; the guard floor (the plain loop plus the "
+           "(distribution-free, the sign test's) where the run has one (timed in several runs: the median of the "
+           "runs' overheads, the interval over runs); the guard floor (the plain loop plus the "
            "gradient norm and its read, the least a per-step NaN guard does) beside it, and the overhead over the "
            "plain loop making its two calls as the trainer does (gradients set to None, the update without torch's "
            "profiler scope; `hybrid_trainer.optimizer_call`), which is what the trainer costs beyond what it saves "
@@ -1148,6 +1288,11 @@ def goal_lines(results: dict[str, Any]) -> list[str]:
             f"; a second plain loop (the noise floor) {noise['median_us']:+.0f} µs "
             f"({100 * noise['median_us'] / step:+.1f}%)" + ("" if noise["ci95_us"] is None else
                                                             " [{:+.0f}, {:+.0f}]".format(*noise["ci95_us"])))
+        by_run = c.get("overhead_run_medians_us")
+        runs_text = "" if not by_run else (
+            f"; run by run {', '.join(f'{v:+.0f}' for v in by_run)} µs"
+            + ("" if noise is None or not noise.get("run_medians_us") else
+               f" (noise floor {', '.join(f'{v:+.0f}' for v in noise['run_medians_us'])})"))
         refused = r["arms"]["predict=False"]["time"].get("refusals") or {}
         refused_text = ("" if not refused.get("skipped_steps") else
                         f"; while timed the guard refused {refused['skipped_steps']} steps, rolling back "
@@ -1162,7 +1307,8 @@ def goal_lines(results: dict[str, Any]) -> list[str]:
             own_text = (f"; its own time part by part (below) {b['own_us']:.0f} µs, "
                         f"{100 * b['own_us'] / b['step_us']:.1f}% of its step")
         out.append(f"- {model}: {c['overhead_us']:+.0f} µs ({100 * (c['time_ratio'] - 1):+.1f}%{goal['shown']}), "
-                   f"goal {goal['goal']}: {goal['verdict']}{noise_text}{floor_text}{lean_text}{own_text}{refused_text}")
+                   f"goal {goal['goal']}: {goal['verdict']}{runs_text}{noise_text}{floor_text}{lean_text}{own_text}"
+                   f"{refused_text}")
     return out
 
 
@@ -1180,6 +1326,9 @@ def keep_untimed_arms(old: dict[str, Any], entry: dict[str, Any], timed: list[st
             kept.setdefault("plain_chunk_means_us", old_plain["chunk_means_us"])
             kept.setdefault("plain_median_us", old_plain["median_us"])
             kept.setdefault("time_run", old.get("time_run") or old["run"])
+            if kept.get("runs") and old_plain.get("runs"):  # --runs: each run beside its own run's plain loop
+                kept["runs"] = [dict(r, plain_chunk_means_us=r.get("plain_chunk_means_us", p["chunk_means_us"]))
+                                for r, p in zip(kept["runs"], old_plain["runs"])]
             entry["arms"].setdefault(arm, {})["time"] = kept
         for key in ("memory", "tensors"):
             if figures.get(key):
@@ -1224,6 +1373,28 @@ def _pairs_said(results: dict[str, Any]) -> str:
     return (f"; {', '.join(paired)}: each arm timed beside the plain loop alone, one pair after another, and "
             "taken against the plain loop's chunks of its own rounds, so that an arm idles one chunk between its "
             "chunks, not one per other arm (its snapshots still come twice as far apart as in a run)")
+
+
+def _runs_said(results: dict[str, Any]) -> str:
+    """How the models timed in several fresh processes (``--runs``) were, for the markdown ('' where
+    none was): the runs, and the host's speed across their starts."""
+    said = []
+    for model, r in results["models"].items():
+        runs = ((r["arms"].get("plain") or {}).get("time") or {}).get("runs")
+        if not runs:
+            continue
+        machines = (r.get("run") or {}).get("run_machines") or []
+        speed = "" if not machines else (
+            f", a Python loop step {min(m['python_ns'] for m in machines):.0f}–{max(m['python_ns'] for m in machines):.0f} "
+            f"ns and one thread's read {min(m['read_gb_s'] for m in machines):.1f}–"
+            f"{max(m['read_gb_s'] for m in machines):.1f} GB/s at their starts")
+        said.append(f"{model}: {len(runs)} runs{speed}")
+    if not said:
+        return ""
+    return ("; timed in several runs, each in a fresh process, one after another (--runs; " + "; ".join(said)
+            + "): the overhead is the median of the runs' own and its 95% interval is over runs (the runs' least "
+            "and greatest for 6 to 8), so that what differs between processes, which the rounds of one cannot "
+            "show, counts")
 
 
 def _chunks_said(results: dict[str, Any]) -> str:
@@ -1280,7 +1451,7 @@ def markdown(results: dict[str, Any]) -> str:
              f"Time: median over chunks of {_chunks_said(results)} of the chunk's mean step (each chunk's timed "
              "steps span one good-state period, so each pays one snapshot); "
              "overhead: median over rounds of the arm's chunk mean minus the plain loop's in the same round, with a "
-             "distribution-free 95% interval; "
+             f"distribution-free 95% interval{_runs_said(results)}; "
              "arms interleaved chunk by chunk, in one process (models ≤ 5M parameters) or each in a "
              "process of its own (larger; the first step of each chunk, or of each slice, untimed, as it pays for "
              f"the switch of arms{_pairs_said(results)}); arms with prediction timed once it is off; ratio = (plain step + overhead) / plain step. Real steps: the trainer's non-predicted "
@@ -1375,6 +1546,10 @@ def main(argv: list[str] | None = None) -> int:
                              "the others' (a divisor of the chunk; above "
                              f"{IN_PROCESS_PARAMS // 1_000_000}M parameters of its {PERIOD} timed steps, each slice "
                              "after an untimed step of its own)")
+    parser.add_argument("--runs", type=int, default=1,
+                        help="time each model this many times, each run in a fresh process, one after another (each "
+                             "--steps long): the overhead is then the median of the runs' and its 95%% interval is "
+                             "over runs (at least 6 for one), so that what differs between processes counts")
     parser.add_argument("--memory-steps", type=int, default=None, help="steps per memory run (fresh process)")
     parser.add_argument("--batches", type=int, default=None,
                         help=f"distinct batches, cycled (64; for models above {IN_PROCESS_PARAMS // 1_000_000}M "
@@ -1411,6 +1586,10 @@ def main(argv: list[str] | None = None) -> int:
         _check_slices(args.chunk, 0, args.slices)  # before any model is built
     except ValueError as error:
         parser.error(f"--{error}")
+    if args.runs < 1:
+        parser.error(f"--runs: at least 1, got {args.runs}")
+    if args.runs > 1 and (args.memory_only or args.breakdown_only):
+        parser.error("--runs repeats the timing; --memory-only and --breakdown-only time nothing")
     device = torch.device(args.device)
     if args.fused_adamw:
         os.environ[FUSED_ENV] = "1"  # read by adamw_options, here and in every child
@@ -1438,7 +1617,8 @@ def main(argv: list[str] | None = None) -> int:
                                    models={},
                                    settings=dict(warmup=warmup, steps=args.steps or default_steps,
                                                  model_steps=None if args.quick or args.steps else MODEL_STEPS,
-                                                 chunk=args.chunk, slices=args.slices, explore_steps=explore_steps,
+                                                 chunk=args.chunk, slices=args.slices, runs=args.runs,
+                                                 explore_steps=explore_steps,
                                                  memory_steps=memory_steps, batches=args.batches,
                                                  model_batches=None if args.batches_given else MODEL_BATCHES,
                                                  adamw=adamw_options()))
@@ -1486,6 +1666,7 @@ def main(argv: list[str] | None = None) -> int:
         entry: dict[str, Any] = dict(parameters=n_params, details=workload.details, batches=len(workload.batches),
                                      arms={a: {} for a in ARMS})
         machine_after = None  # the host's speed once the arms are timed (a --memory-only run times none)
+        run_machines = None  # with --runs, the host's speed at the start of each run
         if args.memory_only:  # time figures of the run that measured them, said so
             old = previous[name]
             for arm in [*ARMS, *TIMED_ONLY, *OPT_IN]:  # an arm the old run did not have stays untimed ("–")
@@ -1505,13 +1686,20 @@ def main(argv: list[str] | None = None) -> int:
                 arm_warmup = warmup
             names = None if args.arms is None else ["plain", *args.arms]
             pairs = (len(ARMS) + len(TIMED_ONLY) if names is None else len(names)) - 1 if big else 1
-            with tqdm(total=pairs * -(-steps // (chunk - settle)), desc=f"{name}: time", leave=False) as bar:
-                timed = time_interleaved(workload, device, arm_warmup, steps, chunk, bar, separate=big, arms=names,
-                                         settle=settle, until_off_max=explore_steps, in_pairs=big,
-                                         slices=args.slices)
+            options = dict(warmup=arm_warmup, steps=steps, chunk=chunk, separate=big, arms=names, settle=settle,
+                           until_off_max=explore_steps, in_pairs=big, slices=args.slices)
+            if args.runs > 1:
+                with tqdm(total=args.runs, desc=f"{name}: time, runs in fresh processes", leave=False) as bar:
+                    done = time_in_fresh_processes(workload, device, args.runs, bar, **options)
+                timed, run_machines = pool_runs([d["timed"] for d in done]), [d["machine"] for d in done]
+            else:
+                with tqdm(total=pairs * -(-steps // (chunk - settle)), desc=f"{name}: time", leave=False) as bar:
+                    timed = time_interleaved(workload, device, progress=bar, **options)
             for arm, t in timed.items():
                 if names is not None and arm != "plain":  # beside kept arms, each against its own run's plain loop
                     t.setdefault("plain_chunk_means_us", timed["plain"]["chunk_means_us"])
+                    for run, plain_run in zip(t.get("runs", []), timed["plain"].get("runs", [])):
+                        run.setdefault("plain_chunk_means_us", plain_run["chunk_means_us"])
                 entry["arms"].setdefault(arm, {})["time"] = t
             # The host's speed again once the arms are timed: this project's CI hosts drift within the
             # hour (a Python loop step 37 ns in one run, 64 ns in the next), and the run's start says
@@ -1544,6 +1732,8 @@ def main(argv: list[str] | None = None) -> int:
                             machine=results["machine"])
         if machine_after is not None:
             entry["run"]["machine_after_time"] = machine_after
+        if run_machines is not None:  # --runs: the host's speed at each run's start
+            entry["run"]["run_machines"] = run_machines
         results["models"][name] = entry
         print(markdown(dict(results, models={name: entry})), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)

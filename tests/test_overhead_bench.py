@@ -707,3 +707,97 @@ def test_slices_with_untimed_steps_time_each_slices_steps_after_its_own_untimed_
 def test_slices_must_divide_the_chunk():
     with pytest.raises(SystemExit):
         overhead.main(["--quick", "--models", "tiny", "--chunk", "10", "--slices", "3"])
+
+
+def _run_summary(means: list[float], steps_per_chunk: int = 5, refused: int = 0) -> dict:
+    """One arm's time summary from one timing run, as time_interleaved gives it."""
+    ordered = sorted(means)
+    return dict(steps=steps_per_chunk * len(means), chunk=steps_per_chunk, settle=0, chunk_means_us=list(means),
+                chunk_median_us=ordered[len(ordered) // 2], median_us=ordered[len(ordered) // 2],
+                mean_us=sum(means) / len(means), real_steps=steps_per_chunk * len(means),
+                real_median_us=ordered[len(ordered) // 2], phases={"FULL": steps_per_chunk * len(means)},
+                refusals={"skipped_steps": refused, "divergence_rollbacks": 0}, warmup_steps=3, slices=1)
+
+
+def test_runs_in_fresh_processes_give_the_median_of_their_overheads_and_an_interval_over_runs():
+    """Each run's overhead is taken within its run; the figure is their median and its interval
+    spans the runs, however tight each run's rounds are (a process's own error is redrawn per run)."""
+    offsets = [20.0, 60.0, 25.0, 58.0, 30.0, 55.0]  # six runs, each steady to within ±1 µs
+    runs = []
+    for r, offset in enumerate(offsets):
+        plain = [1000.0 + 100 * r + 10 * (i % 3) for i in range(12)]
+        runs.append({"plain": _run_summary(plain),
+                     "predict=False": _run_summary([x + offset + (i % 3) - 1 for i, x in enumerate(plain)], refused=r),
+                     overhead.PLAIN_AGAIN: _run_summary([x + (i % 2) for i, x in enumerate(plain)])})
+    pooled = overhead.pool_runs(runs)
+    arm, plain = pooled["predict=False"], pooled["plain"]
+    assert len(arm["runs"]) == 6 and arm["steps"] == 6 * 60 and arm["chunk_means_us"][:12] == runs[0]["predict=False"]["chunk_means_us"]
+    assert arm["refusals"] == {"skipped_steps": 15, "divergence_rollbacks": 0} and arm["phases"] == {"FULL": 360}
+    c = overhead.compare({"time": plain}, {"time": arm})
+    assert c["overhead_runs"] == 6 and c["overhead_run_medians_us"] == pytest.approx(offsets)
+    assert c["overhead_us"] == pytest.approx(42.5)  # the median of the six runs' overheads
+    assert c["overhead_ci95_us"] == pytest.approx([20.0, 60.0])  # over runs: the least and greatest of six
+    # Pairing the runs' rounds end to end would have hidden the spread between them: about [+30, +55].
+    low, high = overhead.paired_overhead({"chunk_means_us": plain["chunk_means_us"]},
+                                         {"chunk_means_us": arm["chunk_means_us"]})["ci95_us"]
+    assert 21.0 < low and high < 59.0
+    arms = {"plain": {"time": plain}, "predict=False": {"time": arm, "vs_plain": c},
+            overhead.PLAIN_AGAIN: {"time": pooled[overhead.PLAIN_AGAIN]}}
+    line = overhead.goal_lines({"models": {"m": {"arms": arms}}})[-1]
+    assert "goal ≤ 50 µs: not resolved" in line
+    assert "run by run +20, +60, +25, +58, +30, +55 µs (noise floor +0, +0, +0, +0, +0, +0)" in line
+    results = {"models": {"m": {"arms": arms, "run": {"run_machines": [
+        dict(python_ns=40.0 + r, read_gb_s=10.0 + r / 10) for r in range(6)]}}}}
+    assert "(--runs; m: 6 runs, a Python loop step 40–45 ns and one thread's read 10.0–10.5 GB/s" in overhead._runs_said(results)
+    assert overhead._runs_said({"models": {"m": {"arms": {"plain": {"time": runs[0]["plain"]}}}}}) == ""
+
+
+def test_an_arm_kept_from_a_run_in_several_processes_is_taken_run_by_run_against_its_own_plain_loops():
+    old_runs = []
+    for r, offset in enumerate([10.0, 30.0, 20.0]):
+        plain = [1000.0 + 200 * r + 5 * i for i in range(6)]
+        old_runs.append({"plain": _run_summary(plain), "default": _run_summary([x + offset for x in plain])})
+    old_pooled = overhead.pool_runs(old_runs)
+    old = {"arms": {name: {"time": t} for name, t in old_pooled.items()}, "run": {"command": "old"}}
+    # This run: one process, a plain loop far slower than the old ones (another host, say).
+    entry = {"arms": {"plain": {"time": _run_summary([5000.0] * 6)}}}
+    overhead.keep_untimed_arms(old, entry, ["predict=False"])
+    kept = entry["arms"]["default"]["time"]
+    assert all("plain_chunk_means_us" in run for run in kept["runs"]) and kept["time_run"] == {"command": "old"}
+    c = overhead.compare(entry["arms"]["plain"], entry["arms"]["default"])
+    assert c["overhead_run_medians_us"] == pytest.approx([10.0, 30.0, 20.0]) and c["overhead_us"] == pytest.approx(20.0)
+    # Beside an arm of one process with a plain loop of its own, run-by-run pairing has no meaning: none.
+    assert overhead.paired_overhead({"chunk_means_us": [1.0] * 6, "plain_chunk_means_us": [1.0] * 6}, kept) is None
+
+
+def test_runs_time_each_in_a_fresh_process_and_the_report_pools_them(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(overhead, "run_memory_child", memory_stand_in(calls))
+    common = ["--quick", "--models", "tiny", "--warmup", "3", "--steps", "10", "--chunk", "5", "--memory-steps", "25",
+              "--explore-steps", "0", "--breakdown-steps", "0", "--out", str(tmp_path), "--runs", "2"]
+    assert overhead.main(common) == 0
+    entry = json.loads((tmp_path / "overhead_quick.json").read_text())["models"]["tiny"]
+    assert len(entry["run"]["run_machines"]) == 2 and entry["run"]["run_machines"][0]["python_ns"] > 0
+    plain, arm = entry["arms"]["plain"]["time"], entry["arms"]["predict=False"]["time"]
+    assert [r["steps"] for r in arm["runs"]] == [10, 10] and arm["steps"] == 20
+    per_run = [sum(x - y for x, y in zip(a["chunk_means_us"], p["chunk_means_us"])) / 2
+               for a, p in zip(arm["runs"], plain["runs"])]
+    c = entry["arms"]["predict=False"]["vs_plain"]
+    assert c["overhead_run_medians_us"] == pytest.approx(per_run) and c["overhead_ci95_us"] is None  # 2 runs: no interval
+    assert c["overhead_us"] == pytest.approx(sum(per_run) / 2)
+    assert "tiny: 2 runs, a Python loop step" in (tmp_path / "overhead_quick.md").read_text()
+    # --arms with --runs: the re-timed arm per run; the kept ones still against their own runs' plain loops.
+    before = entry["arms"]["default"]["vs_plain"]["overhead_us"]
+    assert overhead.main([*common, "--arms", "predict=False"]) == 0
+    after = json.loads((tmp_path / "overhead_quick.json").read_text())["models"]["tiny"]["arms"]
+    assert after["default"]["vs_plain"]["overhead_us"] == pytest.approx(before)
+    assert all("plain_chunk_means_us" in r for r in after["predict=False"]["time"]["runs"])
+    with pytest.raises(SystemExit):
+        overhead.main([*common[:-1], "0"])  # --runs 0
+
+
+def test_a_timing_run_that_fails_in_its_process_raises_its_error_here():
+    workload = overhead.make_workload("tiny", 2, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="timing run 1 of 1 \\(tiny\\) failed"):
+        overhead.time_in_fresh_processes(workload, torch.device("cpu"), 1, overhead._Uncounted(), warmup=1, steps=5,
+                                         chunk=5, arms=["plain", "no such arm"])
