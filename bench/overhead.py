@@ -38,7 +38,9 @@ the same initial weights, the same batches in the same order and the same seed.
   a first step not timed (``BIG_SETTLE``), then one period timed. Interleaved, an arm that
   frees its gradients at the end of its step (the trainer) paid ~0.2-0.4 s of page faults on
   its first step after another arm's chunk, which neither arm pays when it runs alone
-  (:func:`_timed_chunk`).
+  (:func:`_timed_chunk`). Smaller models' chunks (in one process) are ``SMALL_SETTLE + PERIOD``
+  steps, the first ``SMALL_SETTLE`` untimed in every arm alike: an arm's first steps after
+  another arm's pay for the switch, the trainer's more than the plain loop's.
 * **While prediction can still run** (``--explore-steps``, every model): the arms above are timed
   once prediction is off (up to ``--explore-steps`` untimed steps beyond ``--warmup``). That part
   is timed apart: a fresh plain loop and a fresh
@@ -166,6 +168,19 @@ PERIOD = 50
 # 220), so the arms timed the guard's rollbacks rather than its steady cost.
 BIG_WARMUP, BIG_STEPS, BIG_SETTLE, BIG_BATCHES = 20, 12 * PERIOD, 1, 1024
 BIG_CHUNK = BIG_SETTLE + PERIOD
+# Up to IN_PROCESS_PARAMS (every arm in this process): the first steps of each chunk, or of each
+# slice, run untimed in every arm alike (the default chunk is then SMALL_SETTLE + PERIOD steps, its
+# timed ones still one good-state period). Why: an arm's first steps after another arm's pay for
+# the switch (what the other arm evicted), by an amount that depends on the arm's own working set
+# and on which arm ran before it, and a user's loop switches to no other model between steps.
+# Median step by its place in a turn of 10 (--slices 5, 64 rounds, this project's CI host): tiny
+# MLP plain 1121, 1063, 1046, 1037, then ~1025 µs; predict=False 1264, 1145, 1120, 1084, then
+# ~1055; the second plain loop, which the rotation always steps right after the trainer, 1199,
+# 1079, 1063, 1050, then ~1030. Timed from the first step, those turns made the trainer +63 and
+# +46 µs over the plain loop in two runs, against +30 and +33 in chunks of 50 unsliced, and the
+# second plain loop +13 µs in each of 8 fresh processes. On the 1 ms MLP the first five steps
+# were slower.
+SMALL_SETTLE = 5
 # --breakdown-only on a model above IN_PROCESS_PARAMS: steps timed part by part (two good-state
 # periods, so the snapshot's share is in the mean).
 BIG_BREAKDOWN_STEPS = 2 * PERIOD
@@ -1453,8 +1468,8 @@ def markdown(results: dict[str, Any]) -> str:
              "overhead: median over rounds of the arm's chunk mean minus the plain loop's in the same round, with a "
              f"distribution-free 95% interval{_runs_said(results)}; "
              "arms interleaved chunk by chunk, in one process (models ≤ 5M parameters) or each in a "
-             "process of its own (larger; the first step of each chunk, or of each slice, untimed, as it pays for "
-             f"the switch of arms{_pairs_said(results)}); arms with prediction timed once it is off; ratio = (plain step + overhead) / plain step. Real steps: the trainer's non-predicted "
+             f"process of its own (larger{_pairs_said(results)}); the first steps of each chunk, or of each slice, "
+             "untimed in every arm alike, as they pay for the switch of arms rather than for the arm; arms with prediction timed once it is off; ratio = (plain step + overhead) / plain step. Real steps: the trainer's non-predicted "
              "steps. " + (_CUDA_MEMORY_SAID if on_gpu else
              "Memory, each arm in fresh processes: peak RSS above the baseline after data loading (what a "
              "user meets: tensors, Python objects, allocator slack), and the exact peak of live tensor bytes "
@@ -1646,8 +1661,11 @@ def main(argv: list[str] | None = None) -> int:
                                  device)
         n_params = sum(p.numel() for p in workload.make_model(0).parameters())
         big = n_params > IN_PROCESS_PARAMS
-        chunk = args.chunk if not big or args.chunk_given else BIG_CHUNK
-        settle = BIG_SETTLE if big and chunk > BIG_SETTLE else 0
+        if big:
+            chunk = args.chunk if args.chunk_given else BIG_CHUNK
+            settle = BIG_SETTLE if chunk > BIG_SETTLE else 0
+        else:  # an explicit --chunk is timed from its first step
+            chunk, settle = (args.chunk, 0) if args.chunk_given else (SMALL_SETTLE + PERIOD, SMALL_SETTLE)
         if big and not args.batches_given:
             workload = make_workload(name, big_batches(
                 args.warmup if args.warmup is not None else BIG_WARMUP, explore_steps,

@@ -801,3 +801,21 @@ def test_a_timing_run_that_fails_in_its_process_raises_its_error_here():
     with pytest.raises(RuntimeError, match="timing run 1 of 1 \\(tiny\\) failed"):
         overhead.time_in_fresh_processes(workload, torch.device("cpu"), 1, overhead._Uncounted(), warmup=1, steps=5,
                                          chunk=5, arms=["plain", "no such arm"])
+
+
+def test_a_small_model_s_chunks_begin_with_untimed_steps_unless_the_chunk_is_given(monkeypatch, tmp_path):
+    """An arm's first steps after another arm's pay for the switch: in one process the default
+    chunk is SMALL_SETTLE untimed steps and one timed good-state period, in every arm alike."""
+    seen = []
+
+    def recording_timing(workload, device, progress=None, **options):
+        seen.append((options["chunk"], options["settle"], options["slices"]))
+        raise _Built
+
+    monkeypatch.setattr(overhead, "time_interleaved", recording_timing)
+    for argv in ([], ["--chunk", "10"], ["--slices", "5"]):
+        with pytest.raises(_Built):
+            overhead.main(["--models", "tiny", "--steps", "10", "--out", str(tmp_path), *argv])
+    assert seen == [(overhead.SMALL_SETTLE + overhead.PERIOD, overhead.SMALL_SETTLE, 1), (10, 0, 1),
+                    (overhead.SMALL_SETTLE + overhead.PERIOD, overhead.SMALL_SETTLE, 5)]
+    assert overhead.SMALL_SETTLE > 0
