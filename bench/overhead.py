@@ -720,8 +720,9 @@ def time_in_fresh_processes(workload: Workload, device: torch.device, runs: int,
         sender.close()
         try:
             reply = receiver.recv()
-        except EOFError:
-            reply = dict(error=f"it ended without a result (exit code {process.join() or process.exitcode})")
+        except EOFError:  # the process died before sending (killed, out of memory)
+            process.join()
+            reply = dict(error=f"it ended without a result (exit code {process.exitcode})")
         finally:
             process.join(timeout=60)
             if process.is_alive():
@@ -736,6 +737,7 @@ def time_in_fresh_processes(workload: Workload, device: torch.device, runs: int,
 
 
 def _summed(counts: list[dict[str, int]]) -> dict[str, int]:
+    """Key by key sums of ``counts`` (a key's zero kept, which ``Counter`` addition drops)."""
     total: dict[str, int] = {}
     for c in counts:
         for key, value in c.items():

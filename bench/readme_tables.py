@@ -131,6 +131,16 @@ def _overhead_rows() -> list[tuple[str, str, str]]:
         goals = [time_goal(a) for a in (data["models"][m] for m in models)]
         return "here: " + " / ".join("–" if g is None else g["verdict"].split(" (")[0] for g in goals)
 
+    def pooled() -> str:  # models timed in several fresh processes (bench.overhead --runs): their count
+        runs = {m: n for m, a in models.items()
+                if (n := (a.get("predict=False") or {}).get("vs_plain", {}).get("overhead_runs"))}
+        if not runs:
+            return ""
+        counts = set(runs.values())
+        count = f"{counts.pop()}" if len(counts) == 1 else " / ".join(map(str, runs.values()))
+        return (f"; {' / '.join(OVERHEAD_MODELS[m] for m in runs)}: the median of {count} runs, each in a fresh "
+                f"process, the interval over them")
+
     def lean_calls() -> str:  # what the trainer saves on the two calls it makes leaner, and its cost beyond
         from bench.overhead import over_lean_calls
 
@@ -213,7 +223,7 @@ def _overhead_rows() -> list[tuple[str, str, str]]:
     rows = [
         (f"The trainer's cost per step next to the plain loop, prediction off ({names})",
          f"{vs('predict=False', 'overhead_us', '+.0f')} µs, i.e. {vs('predict=False', 'time_ratio', '.3f')}× "
-         f"(goal: ≤ 50 µs, ≤ 1.02× on steps of 5 ms or more; {verdicts()})"
+         f"(goal: ≤ 50 µs, ≤ 1.02× on steps of 5 ms or more; {verdicts()}{pooled()})"
          + (f"; reading the guard's values every 16 steps (`read_every=16`, a GPU's default) "
             f"{vs('predict=False, read_every=16', 'overhead_us', '+.0f')} µs"
             if all("overhead_us" in (a.get("predict=False, read_every=16") or {}).get("vs_plain", {})

@@ -134,9 +134,34 @@ def test_the_overhead_row_gives_the_noise_floor_of_a_model_that_timed_a_second_p
     step = tiny["plain"]["time"]["chunk_median_us"]
     # 10% of the step faster in every round: an interval that excludes zero, taken off the
     # trainer's overhead before the verdict (10% of the tiny MLP's step is above its 50 µs goal).
-    again = [m - 0.10 * step for m in plain_means]
-    tiny[overhead.PLAIN_AGAIN] = {"time": dict(tiny["plain"]["time"], chunk_means_us=again)}
+    def faster(timed: dict) -> dict:  # run by run where the plain loop was timed in several processes
+        out = dict(timed, chunk_means_us=[m - 0.10 * step for m in timed["chunk_means_us"]])
+        if "runs" in timed:
+            out["runs"] = [faster(run) for run in timed["runs"]]
+        return out
+
+    assert plain_means
+    tiny[overhead.PLAIN_AGAIN] = {"time": faster(tiny["plain"]["time"])}
     (tmp_path / "overhead.json").write_text(json.dumps(data))
     figure = readme_tables._overhead_rows()[0][1]
     assert "two identical plain loops (the protocol's own error) -10.0% [-10.0, -10.0] apart (tiny MLP (fixed cost))" in figure
     assert "here: NOT met / " in figure  # the tiny MLP's verdict, first of the models
+
+
+def test_the_overhead_row_says_over_how_many_fresh_processes_a_figure_was_pooled(tmp_path, monkeypatch):
+    from bench import readme_tables
+
+    data = json.loads((readme_tables.RESULTS / "overhead.json").read_text())
+    for model in data["models"].values():
+        model["arms"]["predict=False"]["vs_plain"].pop("overhead_runs", None)
+    (tmp_path / "overhead.json").write_text(json.dumps(data))
+    monkeypatch.setattr(readme_tables, "RESULTS", tmp_path)
+    assert "fresh process" not in readme_tables._overhead_rows()[0][1]
+    data["models"]["tiny"]["arms"]["predict=False"]["vs_plain"]["overhead_runs"] = 9
+    data["models"]["mlp-1ms"]["arms"]["predict=False"]["vs_plain"]["overhead_runs"] = 9
+    (tmp_path / "overhead.json").write_text(json.dumps(data))
+    assert ("; tiny MLP (fixed cost) / 1 ms MLP: the median of 9 runs, each in a fresh process, the interval "
+            "over them)") in readme_tables._overhead_rows()[0][1]
+    data["models"]["mlp-1ms"]["arms"]["predict=False"]["vs_plain"]["overhead_runs"] = 6
+    (tmp_path / "overhead.json").write_text(json.dumps(data))
+    assert "the median of 9 / 6 runs, each in a fresh process" in readme_tables._overhead_rows()[0][1]
