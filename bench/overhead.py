@@ -1414,6 +1414,14 @@ def _runs_said(results: dict[str, Any]) -> str:
             "show, counts")
 
 
+def _settle_said(results: dict[str, Any]) -> str:
+    """Why a chunk's first steps went untimed, for the markdown ('' where no model's did)."""
+    if not any(((r["arms"].get("plain") or {}).get("time") or {}).get("settle") for r in results["models"].values()):
+        return ""
+    return ("; the first steps of each chunk, or of each slice, untimed in every arm alike, as they pay for the "
+            "switch of arms rather than for the arm")
+
+
 def _chunks_said(results: dict[str, Any]) -> str:
     """The timed steps per chunk of the models' runs, e.g. ``50 timed steps (mlp-50m: 1 untimed + 50)``."""
     said = {}
@@ -1470,8 +1478,7 @@ def markdown(results: dict[str, Any]) -> str:
              "overhead: median over rounds of the arm's chunk mean minus the plain loop's in the same round, with a "
              f"distribution-free 95% interval{_runs_said(results)}; "
              "arms interleaved chunk by chunk, in one process (models ≤ 5M parameters) or each in a "
-             f"process of its own (larger{_pairs_said(results)}); the first steps of each chunk, or of each slice, "
-             "untimed in every arm alike, as they pay for the switch of arms rather than for the arm; arms with prediction timed once it is off; ratio = (plain step + overhead) / plain step. Real steps: the trainer's non-predicted "
+             f"process of its own (larger{_pairs_said(results)}){_settle_said(results)}; arms with prediction timed once it is off; ratio = (plain step + overhead) / plain step. Real steps: the trainer's non-predicted "
              "steps. " + (_CUDA_MEMORY_SAID if on_gpu else
              "Memory, each arm in fresh processes: peak RSS above the baseline after data loading (what a "
              "user meets: tensors, Python objects, allocator slack), and the exact peak of live tensor bytes "

@@ -819,3 +819,11 @@ def test_a_small_model_s_chunks_begin_with_untimed_steps_unless_the_chunk_is_giv
     assert seen == [(overhead.SMALL_SETTLE + overhead.PERIOD, overhead.SMALL_SETTLE, 1), (10, 0, 1),
                     (overhead.SMALL_SETTLE + overhead.PERIOD, overhead.SMALL_SETTLE, 5)]
     assert overhead.SMALL_SETTLE > 0
+
+
+def test_the_report_says_why_first_steps_went_untimed_only_where_some_did():
+    unsettled = {"models": {"tiny": {"arms": {"plain": {"time": {"chunk": 10, "settle": 0}}}}}}
+    assert overhead._settle_said(unsettled) == ""
+    settled = {"models": {"tiny": {"arms": {"plain": {"time": {"chunk": 55, "settle": overhead.SMALL_SETTLE}}}}}}
+    assert "untimed in every arm alike, as they pay for the switch of arms" in overhead._settle_said(settled)
+    assert overhead._chunks_said(settled) == f"{overhead.SMALL_SETTLE} untimed + 50 timed steps"
