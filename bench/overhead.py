@@ -111,6 +111,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -148,6 +149,9 @@ TIMED_ONLY = (GUARD_FLOOR, LEAN_PLAIN)  # arms timed beside ARMS, never run for 
 # already -2% to -3%. In one process it is not zero either: beside the tiny and 1 ms MLPs (the
 # run at c5c9177, 128 rounds each) the second loop measured +9 us [+5, +13] and +28 us [+9, +46];
 # where its interval excludes zero, time_goal takes it off the arm's overhead before the verdict.
+# Most of that was the switch of arms (SMALL_SETTLE: the rotation always stepped the second loop
+# right after the trainer); with a chunk's first steps untimed, over 9 fresh processes, the tiny
+# MLP's measured +4 us [-6, +9].
 PLAIN_AGAIN = "plain again (noise floor)"
 OPT_IN = (PLAIN_AGAIN,)
 IN_PROCESS_PARAMS = 5_000_000  # above this, each arm is stepped in a process of its own (ProcessArm)
@@ -672,24 +676,21 @@ def time_interleaved(workload: Workload, device: torch.device, warmup: int, step
         plain.close()
 
 
-class _Uncounted:
-    """A progress bar that counts nothing: a timing run's own process shows none (``--runs``)."""
-
-    def update(self, n: int = 1) -> None:
-        pass
-
-
 def _timing_run_worker(conn, model_name: str, n_batches: int, device_name: str, options: dict[str, Any]) -> None:
     """One timing run in a fresh interpreter (``--runs``): builds the model's workload, measures
     the host's speed, runs :func:`time_interleaved` with ``options`` and sends back both."""
     import traceback
+
+    from tqdm import tqdm
 
     try:
         torch.set_num_threads(1)
         device = torch.device(device_name)
         workload = make_workload(model_name, n_batches, device)
         machine = machine_speed()
-        conn.send(dict(timed=time_interleaved(workload, device, progress=_Uncounted(), **options), machine=machine))
+        # A run's own process shows no bar: the parent counts the runs.
+        timed = time_interleaved(workload, device, progress=tqdm(disable=True), **options)
+        conn.send(dict(timed=timed, machine=machine))
     except BaseException:
         conn.send(dict(error=traceback.format_exc()))
 
@@ -737,12 +738,11 @@ def time_in_fresh_processes(workload: Workload, device: torch.device, runs: int,
 
 
 def _summed(counts: list[dict[str, int]]) -> dict[str, int]:
-    """Key by key sums of ``counts`` (a key's zero kept, which ``Counter`` addition drops)."""
-    total: dict[str, int] = {}
+    """Key by key sums of ``counts``; ``Counter.update`` keeps a zero count (``+`` would drop it)."""
+    total: Counter[str] = Counter()
     for c in counts:
-        for key, value in c.items():
-            total[key] = total.get(key, 0) + value
-    return total
+        total.update(c)
+    return dict(total)
 
 
 def pool_runs(runs: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
@@ -1211,7 +1211,7 @@ def time_goal(entry: dict[str, Any], device: str = "cpu") -> dict[str, Any] | No
     zero, the protocol has an error of its own: the verdict is drawn from the overhead less that
     loop's median, over the interval of the difference taken at its ends (the arm's low end less
     the noise's high end, and the other way round), so that both uncertainties count."""
-    plain, c = (entry["arms"].get("plain") or {}).get("time"), (entry["arms"].get("predict=False") or {}).get("vs_plain", {})
+    plain, c = arm_time(entry, "plain"), (entry["arms"].get("predict=False") or {}).get("vs_plain", {})
     if not plain or "overhead_us" not in c:
         return None
     step = plain.get("chunk_median_us", plain.get("median_us"))
@@ -1250,12 +1250,16 @@ def time_goal(entry: dict[str, Any], device: str = "cpu") -> dict[str, Any] | No
                 verdict=unsteady or goal_verdict(overhead, interval, GOAL_FIXED_US))
 
 
+def arm_time(entry: dict[str, Any], arm: str) -> dict[str, Any]:
+    """The time figures of ``arm`` in a model's results entry (``{}`` where it was not timed)."""
+    return (entry["arms"].get(arm) or {}).get("time") or {}
+
+
 def noise_floor(entry: dict[str, Any]) -> dict[str, Any] | None:
     """The second plain loop's paired difference from the plain loop (:data:`PLAIN_AGAIN`,
     :func:`paired_overhead`: ``median_us``, ``ci95_us``) in a model's results entry; None where
     it was not timed."""
-    again = (entry["arms"].get(PLAIN_AGAIN) or {}).get("time")
-    plain = (entry["arms"].get("plain") or {}).get("time")
+    again, plain = arm_time(entry, PLAIN_AGAIN), arm_time(entry, "plain")
     return None if not again or not plain else paired_overhead(plain, again)
 
 
@@ -1384,7 +1388,7 @@ def _pairs_said(results: dict[str, Any]) -> str:
     """How the arms of the models timed in pairs with the plain loop were interleaved, for the
     markdown ('' where none was)."""
     paired = [m for m, r in results["models"].items()
-              if ((r["arms"].get("plain") or {}).get("time") or {}).get("in_pairs")]
+              if arm_time(r, "plain").get("in_pairs")]
     if not paired:
         return ""
     return (f"; {', '.join(paired)}: each arm timed beside the plain loop alone, one pair after another, and "
@@ -1397,7 +1401,7 @@ def _runs_said(results: dict[str, Any]) -> str:
     none was): the runs, and the host's speed across their starts."""
     said = []
     for model, r in results["models"].items():
-        runs = ((r["arms"].get("plain") or {}).get("time") or {}).get("runs")
+        runs = arm_time(r, "plain").get("runs")
         if not runs:
             continue
         machines = (r.get("run") or {}).get("run_machines") or []
@@ -1416,7 +1420,7 @@ def _runs_said(results: dict[str, Any]) -> str:
 
 def _settle_said(results: dict[str, Any]) -> str:
     """Why a chunk's first steps went untimed, for the markdown ('' where no model's did)."""
-    if not any(((r["arms"].get("plain") or {}).get("time") or {}).get("settle") for r in results["models"].values()):
+    if not any(arm_time(r, "plain").get("settle") for r in results["models"].values()):
         return ""
     return ("; the first steps of each chunk, or of each slice, untimed in every arm alike, as they pay for the "
             "switch of arms rather than for the arm")
@@ -1426,7 +1430,7 @@ def _chunks_said(results: dict[str, Any]) -> str:
     """The timed steps per chunk of the models' runs, e.g. ``50 timed steps (mlp-50m: 1 untimed + 50)``."""
     said = {}
     for model, r in results["models"].items():
-        t = (r["arms"].get("plain") or {}).get("time") or {}
+        t = arm_time(r, "plain")
         if "chunk" in t:
             settle = t.get("settle", 0)
             if t.get("slices", 1) > 1:

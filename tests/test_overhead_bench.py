@@ -797,9 +797,11 @@ def test_runs_time_each_in_a_fresh_process_and_the_report_pools_them(tmp_path, m
 
 
 def test_a_timing_run_that_fails_in_its_process_raises_its_error_here():
+    from tqdm import tqdm
+
     workload = overhead.make_workload("tiny", 2, torch.device("cpu"))
     with pytest.raises(RuntimeError, match="timing run 1 of 1 \\(tiny\\) failed"):
-        overhead.time_in_fresh_processes(workload, torch.device("cpu"), 1, overhead._Uncounted(), warmup=1, steps=5,
+        overhead.time_in_fresh_processes(workload, torch.device("cpu"), 1, tqdm(disable=True), warmup=1, steps=5,
                                          chunk=5, arms=["plain", "no such arm"])
 
 
