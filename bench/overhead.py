@@ -854,7 +854,12 @@ BREAKDOWN_PARTS = {  # label: (object path from the trainer, "" for the trainer 
     "end of lean step: counters, events, metrics": ("", "_end_steady_step"),
     "divergence check (guard)": ("guard.monitor", "check"),
     "accept: monitor + good state (guard)": ("guard", "accept"),
+    # The good state's snapshot: inside accept on the general path; on the lean step marked due
+    # there and taken at the start of the next step, its file written behind that step's forward
+    # and backward, which the update then waits for (StepGuard.take_due_snapshot).
     "good-state snapshot (inside accept)": ("guard.good_state", "save"),
+    "due good state taken: check + write launched (guard)": ("guard", "take_due_snapshot"),
+    "wait for the good state's write (guard)": ("guard", "wait_for_snapshot"),
     "forecaster.observe": ("forecaster", "observe"),
     "loss trend": ("loss_trend", "update"),
     "controller.advance": ("controller", "advance"),

@@ -19,7 +19,11 @@ Where the copy lives (``storage``):
 A snapshot in a file costs a memory copy per save (about what ``"device"`` costs) and a read per
 restore; it suits a snapshot taken rarely and restored more rarely still (the divergence
 rollback's good state, every ``good_state_every`` real steps), not the predict phase's anchor,
-which is taken at every verification.
+which is taken at every verification. ``save(..., background=True)`` writes the file from a
+thread of its own (``os.pwritev`` releases the GIL), so that the write overlaps what the caller
+does next; the module buffers are copied first, since a forward changes them. The caller must
+not change the weights or optimizer state until :meth:`WeightAnchor.wait` returns (the trainer
+waits before its next update); every method that reads or replaces the snapshot waits first.
 
 Optimizer state held in a tensor subclass that wraps plain tensors (torchao's 8/4-bit
 ``OptimState``: codes, scales, a code map) is saved and restored through its inner tensors
@@ -38,6 +42,7 @@ from __future__ import annotations
 import ctypes
 import os
 import tempfile
+import threading
 from typing import Any
 
 import torch
@@ -71,11 +76,18 @@ class _FileTensors:
     def close(self) -> None:
         self._file.close()
 
-    def write(self, tensors: list[torch.Tensor]) -> None:
+    def write(self, tensors: list[torch.Tensor], background: bool = False) -> _BackgroundWrite | None:
+        """Write ``tensors`` from offset 0 (their layout replaces the last one); with
+        ``background``, from a thread of its own, returned: the caller keeps the tensors
+        unchanged until its :meth:`_BackgroundWrite.join` returns."""
         self.layout = [(t.shape, t.dtype, t.device) for t in tensors]
         # Held until the transfer is done: the byte views do not keep the tensors' memory alive.
         sources = [t if t.is_cpu and t.is_contiguous() else t.detach().cpu().contiguous() for t in tensors]
-        self._transfer(os.pwritev, [_byte_view(t) for t in sources if t.nbytes])
+        views = [_byte_view(t) for t in sources if t.nbytes]
+        if background:
+            return _BackgroundWrite(lambda: self._transfer(os.pwritev, views), keep=sources)
+        self._transfer(os.pwritev, views)
+        return None
 
     def read_into(self, targets: list[torch.Tensor]) -> None:
         """Read every saved tensor into ``targets`` (same shapes and dtypes), bit-exact."""
@@ -129,6 +141,30 @@ class _FileTensors:
                 pos += moved
             done = 0
             offset += n
+
+
+class _BackgroundWrite:
+    """A snapshot file's write running in a daemon thread (``os.pwritev`` releases the GIL, so
+    the caller's Python and torch's ops go on meanwhile). :meth:`join` waits for it and raises
+    what the write raised (a full disk: ``OSError``)."""
+
+    def __init__(self, write, keep: list[torch.Tensor]):
+        self._keep = keep  # the tensors whose memory the write reads: alive until it is done
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(write,), name="hybrid-trainer-snapshot", daemon=True)
+        self._thread.start()
+
+    def _run(self, write) -> None:
+        try:
+            write()
+        except BaseException as error:  # raised again in the caller's thread, at join
+            self._error = error
+
+    def join(self) -> None:
+        self._thread.join()
+        self._keep = []
+        if self._error is not None:
+            raise self._error
 
 
 class _FileSlot(int):
@@ -214,6 +250,7 @@ class WeightAnchor:
         # "file": (param index, key, inner tensor name of a subclass state or None) per file slot
         self._optimizer_tensor_keys: list[tuple[int, str, str | None]] = []
         self._pending: torch.cuda.Event | None = None  # "host" on a GPU: the copy in flight
+        self._writing: _BackgroundWrite | None = None  # "file" with save(background=True): the write in flight
         self.step: int | None = None  # trainer step at which the snapshot was taken
 
     @property
@@ -236,10 +273,15 @@ class WeightAnchor:
 
     # -------------------------------------------------------------------------- save ----
     @torch.no_grad()
-    def save(self, step: int, optimizer: torch.optim.Optimizer | None = None) -> None:
+    def save(self, step: int, optimizer: torch.optim.Optimizer | None = None, background: bool = False) -> None:
+        """Snapshot the weights, the module buffers and (with ``optimizer``) its state at
+        ``step``. ``background`` (``"file"`` only; elsewhere the copy is as fast as a write could
+        be started): the file is written from a thread while the caller goes on, and the weights
+        and optimizer state must stay unchanged until :meth:`wait` (module docstring)."""
+        self._join_write()  # one still in flight writes to the same file
         slots = self._optimizer_slots(optimizer) if optimizer is not None else None
         if self.storage == "file":  # only their bytes are read: no detached alias needed (a dispatcher call each)
-            self._save_to_file(self.params, self.buffers, slots)
+            self._save_to_file(self.params, self.buffers, slots, background)
         else:
             self._save_to_memory([p.detach() for p in self.params], [b.detach() for b in self.buffers], slots)
         self._is_set = True
@@ -291,10 +333,11 @@ class WeightAnchor:
             old.inner[name].copy_(t, non_blocking=non_blocking)
         return old
 
-    def _save_to_file(self, params, buffers, slots) -> None:
+    def _save_to_file(self, params, buffers, slots, background: bool = False) -> None:
         if self._file is None:
             self._file = _FileTensors(self.directory)
-        tensors = list(params) + list(buffers)
+        # A write in the background copies the buffers first: the caller's next forward changes them.
+        tensors = list(params) + ([b.detach().clone() for b in buffers] if background else list(buffers))
         self._buffer_layout = [(b.shape, b.dtype) for b in buffers]
         self._optimizer_tensor_keys = []
         if slots is None:
@@ -319,23 +362,41 @@ class WeightAnchor:
                         slot[key] = value
                 saved_slots.append(slot)
             self._optimizer_saved = saved_slots
-        self._file.write(tensors)
+        # Set again by the caller once the write is under way: one that fails leaves neither the
+        # last snapshot nor this one in the file (a background write's failure: at _wait).
+        self._is_set = False
+        self._writing = self._file.write(tensors, background)
+
+    def wait(self) -> None:
+        """Wait until the snapshot is wholly written (a background write, a GPU's copy to the
+        host); raises what a background write raised, after which no snapshot is set."""
+        self._wait()
 
     def _wait(self) -> None:
+        self._join_write()
         if self._pending is not None:
             self._pending.synchronize()
             self._pending = None
+
+    def _join_write(self) -> None:
+        if self._writing is not None:
+            writing, self._writing = self._writing, None
+            try:
+                writing.join()
+            except BaseException:
+                self._is_set = False  # the file holds part of this snapshot and part of the last
+                raise
 
     # ----------------------------------------------------------------------- restore ----
     @torch.no_grad()
     def restore(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Copy the snapshot back into the same storages (bit-exact, no reallocation)."""
+        self._wait()
         if not self._is_set:
             raise RuntimeError("WeightAnchor.restore() called before save()")
         if self.storage == "file":
             self._restore_from_file(optimizer)
             return
-        self._wait()
         torch._foreach_copy_([p.detach() for p in self.params], self._saved)
         for (module, name), saved in zip(self.buffer_slots, self._buffers_saved):
             _restore_buffer(module, name, saved)
@@ -409,7 +470,10 @@ class WeightAnchor:
 
     def release(self) -> None:
         """Free the snapshot's memory (or file); :attr:`is_set` is False until the next save."""
-        self._wait()
+        try:
+            self._wait()
+        except OSError:  # a failed background write: the snapshot it left goes now anyway
+            pass
         self._saved, self._buffers_saved, self._optimizer_saved = None, [], None
         self._optimizer_tensor_keys, self._buffer_layout = [], []
         if self._file is not None:
@@ -441,6 +505,7 @@ class WeightAnchor:
 
     def state_dict(self) -> dict:
         """The snapshot as CPU tensors (loadable onto any device)."""
+        self._wait()
         if not self._is_set:
             return {"step": None}
         params, buffers, slots = self._saved_tensors()

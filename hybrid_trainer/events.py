@@ -188,9 +188,13 @@ class Events:
             pass  # a deferred step's refusal and rollback are reported at its read (trainer._settle)
         elif result.skipped:
             self.step_refused(trainer, result)
-        elif result.rolled_back:  # a verification rejected the PREDICT phase
+        elif result.rolled_back and phase is Phase.PREDICT:  # a verification rejected the PREDICT phase
             self.rolled_back(Rollback(step=result.step, kind="rejected_prediction", reason=result.divergence,
                                       predicted_steps_undone=trainer.predict_phase.last_rollback_steps))
+        elif result.rolled_back:  # a real step's good state was found non-finite where it was to be taken
+            self.rolled_back(Rollback(step=result.step, kind="divergence",
+                                      reason="non-finite values where the good state was to be taken",
+                                      to_step=trainer.guard.good_state.step))
         if controller.disabled_reason is not disabled_before and controller.disabled_reason is not None:
             self.prediction_disabled(result.step, controller.disabled_reason)
         if controller.phase is not phase:

@@ -175,7 +175,7 @@ def trainer_registry(trainer: Any) -> StateRegistry:
     reg.register_component("scaler", lambda: t.scaler)
     reg.register_component("predictor", lambda: t.predictor)
     reg.register_component("anchor", lambda: t.anchor)
-    reg.register_component("good_state", lambda: t.guard.good_state)
+    reg.register_component("good_state", lambda: t.guard.settled_good_state())  # a due snapshot taken first
     # Saved without one: the average starts at the loaded weights.
     reg.register_component("weight_average", lambda: t.weight_average,
                            on_missing=lambda: setattr(t, "weight_average", WeightAverage(t.params)))

@@ -170,7 +170,7 @@ class HybridTrainer:
     params = property(lambda self: self.trained.params, doc="Every tensor trained now (model's first).")
     predictor = property(lambda self: self.predict_phase.predictor)
     anchor = property(lambda self: self.predict_phase.anchor, doc="Last verified point of a PREDICT phase.")
-    good_state = property(lambda self: self.guard.good_state, doc="Last healthy point (divergence rollback).")
+    good_state = property(lambda self: self.guard.settled_good_state(), doc="Last healthy point (divergence rollback).")
     monitor = property(lambda self: self.guard.monitor)
     history = property(lambda self: self.forecaster.history)
     normalizer = property(lambda self: self.forecaster.normalizer)
@@ -193,6 +193,10 @@ class HybridTrainer:
             return self._steady_step(batch)
         started = time.perf_counter()
         check_train_mode(self.optimizer)
+        # A good state the last steady step left due: taken before this step changes anything.
+        escalated = self.guard.take_due_snapshot() if self.guard.snapshot_due is not None else False
+        if escalated:
+            self.controller.force_full()
         disabled_before = self.controller.disabled_reason
         if self.trained.changed():
             self._settle()  # judged with the tensors they trained
@@ -213,6 +217,7 @@ class HybridTrainer:
                 self.events.interrupted(self.step_count, self.predict_phase.abort(), error)
             raise
         result.wall_time_s = time.perf_counter() - started
+        result.rolled_back = result.rolled_back or escalated
         if self.guard.deferred is not None and self.guard.deferred.due:
             self._settle()  # the guard's read of the last read_every steps
         return self._end_step(result, phase, disabled_before)
@@ -439,16 +444,24 @@ class HybridTrainer:
         started = time.perf_counter()
         optimizer, guard, stats, controller = self.optimizer, self.guard, self.stats, self.controller
         check_train_mode(optimizer)
+        # The good state the last step left due, its file written behind this step's forward and
+        # backward (StepGuard.accept).
+        escalated = guard.take_due_snapshot(background=True) if guard.snapshot_due is not None else False
+        if escalated:  # a non-finite value where it was to be taken: back to the last good state
+            controller.force_full()
         phase, disabled_before = controller.phase, controller.disabled_reason
         deferred = guard.deferred
         deferring = deferred is not None and guard.defers()
         if deferred is not None and not deferring:
             self._settle()  # steps whose checks waited are judged before this one is
-        self._clear_stale_grads()
-        guard.before_forward(gram=True)  # one forward, one backward: large layers' norms from Grams
-        loss = self._loss(batch)
-        loss.backward()
-        guard.after_backward(loss)
+        try:
+            self._clear_stale_grads()
+            guard.before_forward(gram=True)  # one forward, one backward: large layers' norms from Grams
+            loss = self._loss(batch)
+            loss.backward()
+            guard.after_backward(loss)
+        finally:
+            guard.wait_for_snapshot()  # from here on the step may change what the good state's write reads
         stats.backward_passes += 1
         stats.forward_passes += 1
         lrs = tuple([float(group["lr"]) for group in optimizer.param_groups])
@@ -469,12 +482,14 @@ class HybridTrainer:
                 self.scheduler.step()
             self._drop_grads()
             self.loss_trend.update(total)
-            rolled_back = guard.accept(self.step_count, stats.optimizer_steps, total, grad_norm, report.severity)
+            rolled_back = guard.accept(self.step_count, stats.optimizer_steps, total, grad_norm, report.severity,
+                                       defer_snapshot=True)
             if rolled_back:  # a non-finite state found at the snapshot: back to the good state
                 controller.force_full()
             result = StepResult(step=self.step_count, phase=phase.value, loss=total, backward_done=True,
                                 divergence=report.severity.name, grad_norm=grad_norm, lr=lrs[0], lrs=lrs,
                                 rolled_back=rolled_back)
+        result.rolled_back = result.rolled_back or escalated
         result.wall_time_s = time.perf_counter() - started
         return self._end_steady_step(result, phase, disabled_before)
 

@@ -170,3 +170,51 @@ def test_torchao_state_survives_the_anchor_state_dict(source, target):
     _scramble(optimizer)
     other.restore(optimizer)
     assert _same(_inner(optimizer), saved)
+
+
+def test_a_background_file_write_keeps_the_buffers_as_they_were_and_every_read_waits_for_it(monkeypatch):
+    import os
+    import threading
+    import time
+
+    model, optimizer = _model_and_optimizer()
+    _train(model, optimizer)
+    anchor = WeightAnchor(list(model.parameters()), buffers=buffer_slots(model), storage="file")
+    weights = [p.detach().clone() for p in model.parameters()]
+    buffers = [b.clone() for b in model.buffers()]
+    write, threads = os.pwritev, []
+
+    def slow_write(fd, views, offset):  # long enough that the caller runs on meanwhile
+        threads.append(threading.current_thread().name)
+        time.sleep(0.2)
+        return write(fd, views, offset)
+    monkeypatch.setattr(os, "pwritev", slow_write)
+    anchor.save(3, optimizer, background=True)
+    assert anchor.is_set and anchor.step == 3
+    for b in model.buffers():  # what the caller's next forward does to the batch-norm statistics
+        b.add_(1)
+    anchor.wait()
+    assert threads == ["hybrid-trainer-snapshot"]
+    _train(model, optimizer, steps=2)
+    anchor.restore(optimizer)
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    assert all(torch.equal(b, s) for b, s in zip(model.buffers(), buffers))
+
+
+def test_a_failed_background_write_raises_at_the_wait_and_leaves_no_snapshot(monkeypatch):
+    import os
+
+    model, optimizer = _model_and_optimizer()
+    _train(model, optimizer)
+    anchor = WeightAnchor(list(model.parameters()), buffers=buffer_slots(model), storage="file")
+    anchor.save(1, optimizer)
+
+    def full_disk(fd, views, offset):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(os, "pwritev", full_disk)
+    anchor.save(2, optimizer, background=True)
+    with pytest.raises(OSError, match="No space left"):
+        anchor.wait()
+    assert not anchor.is_set  # the file holds part of each snapshot: neither may be restored
+    with pytest.raises(RuntimeError, match="before save"):
+        anchor.restore(optimizer)
