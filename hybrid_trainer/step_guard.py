@@ -12,7 +12,11 @@ The good state is kept behind :class:`GoodStateStore`, made by :func:`make_good_
 only: where the snapshot lives can change there without the guard's decisions changing. It
 lives off the device by default (``HybridConfig.good_state_storage``): taken every
 ``good_state_every`` real steps and read back only after a spike, it need not cost the device
-three copies of the weights (weights and AdamW's two moments).
+three copies of the weights (weights and AdamW's two moments). On the trainer's lean step a
+snapshot kept in a file is taken at the start of the step after the one that made it due, its
+file written behind that step's forward and backward (:meth:`StepGuard.accept`,
+:meth:`StepGuard.take_due_snapshot`); whoever reads the good state between steps gets it taken
+at once (:meth:`StepGuard.settled_good_state`).
 
 What a refused step leaves: the weights and optimizer state as before the step (a non-finite
 loss or gradient) or as in the last good state (a spike); the module buffers as before the

@@ -56,7 +56,8 @@ def test_the_snapshot_is_written_behind_the_next_step_and_holds_the_weights_its_
     monkeypatch.setattr(os, "pwritev", slow_write)
     monkeypatch.setattr(trainer.guard, "step_optimizer", update)
     trainer.step(stream[6])
-    assert events == [("write starts", "hybrid-trainer-snapshot"), ("write ends", None), ("update", None)]
+    assert [kind for kind, _ in events] == ["write starts", "write ends", "update"]
+    assert events[0][1].startswith("hybrid-trainer-snapshot")
     assert trainer.guard.snapshot_due is None and trainer.good_state.step == 5
     saved = trainer.good_state.state_dict()
     assert all(torch.equal(s, w) for s, w in zip(saved["params"], weights))
