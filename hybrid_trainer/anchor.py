@@ -19,8 +19,8 @@ Where the copy lives (``storage``):
 A snapshot in a file costs a memory copy per save (about what ``"device"`` costs) and a read per
 restore; it suits a snapshot taken rarely and restored more rarely still (the divergence
 rollback's good state, every ``good_state_every`` real steps), not the predict phase's anchor,
-which is taken at every verification. ``save(..., background=True)`` writes the file from a
-thread of its own (``os.pwritev`` releases the GIL), so that the write overlaps what the caller
+which is taken at every verification. ``save(..., background=True)`` writes the file on the
+process's snapshot thread (``os.pwritev`` releases the GIL), so that the write overlaps what the caller
 does next; the module buffers are copied first, since a forward changes them. The caller must
 not change the weights or optimizer state until :meth:`WeightAnchor.wait` returns (the trainer
 waits before its next update); every method that reads or replaces the snapshot waits first.
@@ -79,7 +79,7 @@ class _FileTensors:
 
     def write(self, tensors: list[torch.Tensor], background: bool = False) -> _BackgroundWrite | None:
         """Write ``tensors`` from offset 0 (their layout replaces the last one); with
-        ``background``, from a thread of its own, returned: the caller keeps the tensors
+        ``background``, on the snapshot thread, returned: the caller keeps the tensors
         unchanged until its :meth:`_BackgroundWrite.join` returns."""
         self.layout = [(t.shape, t.dtype, t.device) for t in tensors]
         # Held until the transfer is done: the byte views do not keep the tensors' memory alive.
