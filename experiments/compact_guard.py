@@ -42,7 +42,7 @@ from typing import Any, Callable
 
 import torch
 
-from bench.overhead import Workload, make_workload, median_interval_ranks
+from bench.overhead import Workload, _arm_step, adamw_options, make_workload, median_interval_ranks
 from bench.protocol import run_metadata, write_results
 from hybrid_trainer import HybridConfig, HybridTrainer
 from hybrid_trainer.divergence import DivergenceMonitor
@@ -92,24 +92,17 @@ def compact_guard_step(workload: Workload, seed: int = 0) -> tuple[Callable[[Any
 
 
 def arm_steps(workload: Workload) -> dict[str, Callable[[Any], Any]]:
-    """Every arm's step function (:data:`ARMS`), each on a fresh model built from seed 0."""
-    def plain() -> Callable[[Any], None]:
-        model = workload.make_model(0)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=workload.lr)
-
-        def step(batch: Any) -> None:
-            optimizer.zero_grad(set_to_none=True)
-            workload.loss_fn(model, batch).backward()
-            optimizer.step()
-        return step
-
-    def trainer(**config: Any) -> Callable[[Any], Any]:
-        model = workload.make_model(0)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=workload.lr)
-        return HybridTrainer(model, optimizer, workload.loss_fn, HybridConfig(seed=0, predict=False, **config)).step
-
-    return {"plain": plain(), "plain again": plain(), "compact guard": compact_guard_step(workload)[0],
-            "trainer, no snapshot": trainer(good_state_every=0), "trainer": trainer()}
+    """Every arm's step function (:data:`ARMS`), each on a fresh model built from seed 0: the
+    plain loops and the trainer as ``bench.overhead`` builds them."""
+    cpu = torch.device("cpu")
+    model = workload.make_model(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=workload.lr, **adamw_options())
+    no_snapshot = HybridTrainer(model, optimizer, workload.loss_fn, HybridConfig(seed=0, predict=False, good_state_every=0))
+    return {"plain": _arm_step("plain", workload, cpu)[0],
+            "plain again": _arm_step("plain again (noise floor)", workload, cpu)[0],
+            "compact guard": compact_guard_step(workload)[0],
+            "trainer, no snapshot": no_snapshot.step,
+            "trainer": _arm_step("predict=False", workload, cpu)[0]}
 
 
 def time_one_process(model_name: str, rounds: int, seed: int, warmup: int = WARMUP_STEPS) -> dict[str, Any]:

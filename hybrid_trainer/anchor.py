@@ -77,16 +77,18 @@ class _FileTensors:
     def close(self) -> None:
         self._file.close()
 
-    def write(self, tensors: list[torch.Tensor], background: bool = False) -> _BackgroundWrite | None:
+    def write(self, tensors: list[torch.Tensor],
+              background: bool = False) -> concurrent.futures.Future | None:
         """Write ``tensors`` from offset 0 (their layout replaces the last one); with
-        ``background``, on the snapshot thread, returned: the caller keeps the tensors
-        unchanged until its :meth:`_BackgroundWrite.join` returns."""
+        ``background``, on the snapshot thread (:func:`_snapshot_thread`), whose future is
+        returned: the caller keeps the tensors unchanged until its ``result()`` returns."""
         self.layout = [(t.shape, t.dtype, t.device) for t in tensors]
-        # Held until the transfer is done: the byte views do not keep the tensors' memory alive.
+        # Held until the transfer is done (by this frame, or by the closure on the snapshot
+        # thread): the byte views do not keep the tensors' memory alive.
         sources = [t if t.is_cpu and t.is_contiguous() else t.detach().cpu().contiguous() for t in tensors]
         if background:  # the views too are made there (~1.5 µs each through ctypes)
-            return _BackgroundWrite(lambda: self._transfer(os.pwritev, [_byte_view(t) for t in sources if t.nbytes]),
-                                    keep=sources)
+            return _snapshot_thread().submit(
+                lambda: self._transfer(os.pwritev, [_byte_view(t) for t in sources if t.nbytes]))
         self._transfer(os.pwritev, [_byte_view(t) for t in sources if t.nbytes])
         return None
 
@@ -144,33 +146,16 @@ class _FileTensors:
             offset += n
 
 
-class _BackgroundWrite:
-    """A snapshot file's write running on the process's snapshot thread (``os.pwritev`` releases
-    the GIL, so the caller's Python and torch's ops go on meanwhile). :meth:`join` waits for it
-    and raises what the write raised (a full disk: ``OSError``).
-
-    One long-lived thread for every snapshot of the process (:func:`_snapshot_thread`): starting
-    a thread per write cost ~240 µs on this project's CI host (a VM), half of the 1 ms MLP's write
-    it was to hide."""
-
-    def __init__(self, write, keep: list[torch.Tensor]):
-        self._keep = keep  # the tensors whose memory the write reads: alive until it is done
-        self._future = _snapshot_thread().submit(write)
-
-    def join(self) -> None:
-        try:
-            self._future.result()
-        finally:
-            self._keep = []
-
-
 _WRITER: concurrent.futures.ThreadPoolExecutor | None = None
 _WRITER_LOCK = threading.Lock()
 
 
 def _snapshot_thread() -> concurrent.futures.ThreadPoolExecutor:
-    """The process's snapshot thread (started at the first background write; Python waits for
-    its queued writes at exit). After a ``fork`` the child starts its own."""
+    """The process's snapshot thread, one for every background write of the process
+    (``os.pwritev`` releases the GIL, so the caller's Python and torch's ops go on meanwhile):
+    started at the first one; Python waits for its queued writes at exit. A thread started per
+    write cost about as much as the 1 ms MLP's write it was to hide, on this project's CI host (a
+    VM). After a ``fork`` the child starts its own."""
     global _WRITER
     with _WRITER_LOCK:
         if _WRITER is None:
@@ -270,7 +255,7 @@ class WeightAnchor:
         # "file": (param index, key, inner tensor name of a subclass state or None) per file slot
         self._optimizer_tensor_keys: list[tuple[int, str, str | None]] = []
         self._pending: torch.cuda.Event | None = None  # "host" on a GPU: the copy in flight
-        self._writing: _BackgroundWrite | None = None  # "file" with save(background=True): the write in flight
+        self._writing: concurrent.futures.Future | None = None  # "file", save(background=True): the write in flight
         self.step: int | None = None  # trainer step at which the snapshot was taken
 
     @property
@@ -402,7 +387,7 @@ class WeightAnchor:
         if self._writing is not None:
             writing, self._writing = self._writing, None
             try:
-                writing.join()
+                writing.result()  # raises what the write raised
             except BaseException:
                 self._is_set = False  # the file holds part of this snapshot and part of the last
                 raise

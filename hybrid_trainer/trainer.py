@@ -194,7 +194,7 @@ class HybridTrainer:
         started = time.perf_counter()
         check_train_mode(self.optimizer)
         # A good state the last steady step left due: taken before this step changes anything.
-        escalated = self.guard.take_due_snapshot() if self.guard.snapshot_due is not None else False
+        escalated = self.guard.take_due_snapshot()
         if escalated:
             self.controller.force_full()
         disabled_before = self.controller.disabled_reason
@@ -446,7 +446,8 @@ class HybridTrainer:
         check_train_mode(optimizer)
         # The good state the last step left due, its file written behind this step's forward and
         # backward (StepGuard.accept).
-        escalated = guard.take_due_snapshot(background=True) if guard.snapshot_due is not None else False
+        writing = guard.snapshot_due is not None  # only then is a write in flight until the update
+        escalated = guard.take_due_snapshot(background=True) if writing else False
         if escalated:  # a non-finite value where it was to be taken: back to the last good state
             controller.force_full()
         phase, disabled_before = controller.phase, controller.disabled_reason
@@ -461,7 +462,8 @@ class HybridTrainer:
             loss.backward()
             guard.after_backward(loss)
         finally:
-            guard.wait_for_snapshot()  # from here on the step may change what the good state's write reads
+            if writing:  # from here on the step may change what the good state's write reads
+                guard.wait_for_snapshot()
         stats.backward_passes += 1
         stats.forward_passes += 1
         lrs = tuple([float(group["lr"]) for group in optimizer.param_groups])
