@@ -118,6 +118,11 @@ class DivergenceReport:
         return self.severity >= Severity.CRITICAL
 
 
+#: The report of a step no rule raised anything on, shared by every such check (nearly every
+#: step; building one was most of the check's cost): reports are read, never changed.
+QUIET_REPORT = DivergenceReport(severity=Severity.OK, reasons=[], kinds=[])
+
+
 @dataclass(frozen=True)
 class QuietLimits:
     """A loss at most ``loss_ceiling`` and a gradient norm in [``grad_floor``, ``grad_ceiling``]
@@ -420,7 +425,7 @@ class DivergenceMonitor:
             # Nearly every step: three compares against bounds computed when the window last changed
             # (a NaN fails them); anything outside goes to the exact test and the rules.
             if (-_LARGEST <= loss <= bounds[0] and bounds[1] <= grad_norm <= bounds[2]) or self._quiet(loss, grad_norm):
-                return DivergenceReport(severity=Severity.OK, reasons=[], kinds=[])
+                return QUIET_REPORT
         loss_value = _as_optional_float("loss", loss)
         grad_value = _as_optional_float("grad_norm", grad_norm)
         if grad_value is not None and grad_value < 0:
@@ -441,7 +446,7 @@ class DivergenceMonitor:
             findings.extend(self._check_grad(grad_value))
 
         if not findings:  # nearly every step: skip building the report from an empty list
-            return DivergenceReport(severity=Severity.OK, reasons=[], kinds=[])
+            return QUIET_REPORT
         severity = max((f[0] for f in findings), default=Severity.OK)
         kinds = [f[1] for f in findings]
         if count:
@@ -456,24 +461,29 @@ class DivergenceMonitor:
         by a relative ``_BOUND_ROOM`` so that the rounding of ``(loss - center) / scale`` cannot
         make a value inside it fail the rule. A value outside is not judged by them: it goes to
         :meth:`_quiet` itself, so the decisions are the same as without the bounds."""
-        ordered = self._losses_sorted
+        # Inlined (_median_of_sorted, _scale_floor): it runs after every accepted step.
+        ordered, count = self._losses_sorted, len(self._losses)
         ceiling = ordered[-1] if ordered else _LARGEST  # the loss_jump rule looks further above the largest
-        count = len(self._losses)
         if count >= self.min_history:
-            center = _median_of_sorted(ordered)
-            spread_bound = 0.999 * (ordered[-1] - ordered[0]) / math.sqrt(2 * (len(ordered) - 1))
-            allowed = self.loss_z_warning * max(spread_bound, self._scale_floor(center))
+            n = len(ordered)
+            half = n // 2
+            center = ordered[half] if n % 2 else (ordered[half - 1] + ordered[half]) / 2
+            spread_bound = 0.999 * (ordered[-1] - ordered[0]) / math.sqrt(2 * (n - 1))
+            scale_floor = self.relative_scale_floor * abs(center)
+            allowed = self.loss_z_warning * max(spread_bound, scale_floor, _ABSOLUTE_SCALE_FLOOR)
             ceiling = min(ceiling, center + allowed - _BOUND_ROOM * (abs(center) + allowed))
-        if (count >= self.oscillation_window
-                and (self._sign_change_count + 1) / (self.oscillation_window - 1) > self.oscillation_threshold):
+        window = self.oscillation_window
+        if count >= window and (self._sign_change_count + 1) / (window - 1) > self.oscillation_threshold:
             ceiling = -math.inf  # the oscillation test may fire whatever the loss: no step is surely quiet
         norms = self._grad_norms_sorted
-        if not norms:
+        n = len(norms)
+        if not n:
             grad_ceiling = _LARGEST
-        elif len(norms) < self.min_history:
+        elif n < self.min_history:
             grad_ceiling = self.grad_jump_factor * norms[-1]
         else:
-            grad_ceiling = self.grad_explosion_factor * _median_of_sorted(norms)
+            half = n // 2
+            grad_ceiling = self.grad_explosion_factor * (norms[half] if n % 2 else (norms[half - 1] + norms[half]) / 2)
         return ceiling, self.grad_vanish_threshold, min(grad_ceiling, _LARGEST)
 
     def _quiet(self, loss: float, grad_norm: float) -> bool:
