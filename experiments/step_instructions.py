@@ -1,0 +1,139 @@
+"""Machine instructions per training step, arm by arm, counted by Valgrind (CPU): what the
+trainer's steady step adds over the plain loop, free of the timing noise of this project's CI
+host, where one process's step time moves by more than the 50 µs the overhead goal allows
+(docs/trainer.md, "What a step's instructions show").
+
+    python -m experiments.step_instructions [--model mlp-1ms] [--warmup 100] [--steps 200]
+
+Arms, each built fresh on the ``bench.overhead`` model by ``bench.overhead._arm_step`` (the same
+code the timing benchmark steps), plus the compact guard of :mod:`experiments.compact_guard`:
+
+* ``plain``: ``zero_grad``, forward, backward, ``optimizer.step()``;
+* ``plain, no profiler scopes``: gradients set to None, the update without torch's scope;
+* ``plain + norm and read (guard floor)``: the plain loop plus the loss and gradient read;
+* ``compact guard``: the guard's per-step work and nothing else;
+* ``predict=False``: the trainer with prediction off (a good-state snapshot every 50 steps).
+
+One process under ``valgrind --tool=callgrind`` steps every arm in turn: ``--warmup`` steps,
+then ``--steps`` counted ones, between a call of ``os.getppid`` (on which Valgrind zeroes its
+counts: ``--zero-before=getppid``) and one of ``os.getpgrp`` (on which it writes them out:
+``--dump-before=getpgrp``). An arm's figure is its counted instructions over ``--steps``, every
+good-state snapshot among them included, and the snapshot thread's instructions with the
+step's. The counts are the same from run to run on the same code (Valgrind runs the threads one
+at a time); they do not depend on the machine's load. Instructions are not time: a step's Python
+runs at a few instructions per nanosecond, its reads of memory far slower, so the count measures
+the trainer's bookkeeping, and the guard's pass over the gradients only in part.
+→ ``experiments/results/step_instructions_<model>.{json,md}``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ARMS = ("plain", "plain, no profiler scopes", "plain + norm and read (guard floor)", "compact guard",
+        "predict=False")
+_SUMMARY = re.compile(r"^summary:\s+(\d+)", re.MULTILINE)
+
+
+def counted_instructions(dump: str) -> int:
+    """The instruction count of one callgrind dump (its ``summary:`` line)."""
+    found = _SUMMARY.search(dump)
+    if found is None:
+        raise ValueError("no 'summary:' line in the callgrind dump")
+    return int(found.group(1))
+
+
+def step_arms(model: str, arms: list[str], warmup: int, steps: int) -> None:
+    """The child under valgrind: each arm of ``arms`` on ``model``, ``warmup`` steps and then
+    ``steps`` counted ones between ``os.getppid()`` (counts zeroed) and ``os.getpgrp()`` (counts
+    written)."""
+    import torch
+
+    from bench.overhead import _arm_step, make_workload
+    from experiments.compact_guard import compact_guard_step
+
+    torch.set_num_threads(1)
+    workload = make_workload(model, 64, torch.device("cpu"))
+    batches = workload.batches
+    for arm in arms:
+        step = (compact_guard_step(workload)[0] if arm == "compact guard"
+                else _arm_step(arm, workload, torch.device("cpu"))[0])
+        for i in range(warmup):
+            step(batches[i % len(batches)])
+        os.getppid()
+        for i in range(warmup, warmup + steps):
+            step(batches[i % len(batches)])
+        os.getpgrp()
+
+
+def count(model: str, arms: list[str], warmup: int, steps: int, valgrind: str, scratch: Path) -> dict[str, float]:
+    """Instructions per counted step of every arm, from one valgrind process."""
+    out = scratch / "callgrind.out"
+    command = [valgrind, "--tool=callgrind", "--zero-before=getppid", "--dump-before=getpgrp",
+               f"--callgrind-out-file={out}", sys.executable, "-m", "experiments.step_instructions",
+               "--model", model, "--warmup", str(warmup), "--steps", str(steps), "--child", "--arms", *arms]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONHASHSEED="0")  # the same hashing on every run
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[1])
+    if done.returncode != 0:
+        raise RuntimeError(f"valgrind's child failed ({done.returncode}): {done.stderr[-800:]}")
+    dumps = sorted(scratch.glob("callgrind.out.*"), key=lambda p: int(p.suffix[1:]))
+    if len(dumps) != len(arms):
+        raise RuntimeError(f"expected one callgrind dump per arm ({len(arms)}), found {len(dumps)}: "
+                           "something else called os.getpgrp")
+    return {arm: counted_instructions(path.read_text()) / steps for arm, path in zip(arms, dumps)}
+
+
+def report(result: dict[str, Any], meta: dict[str, Any]) -> str:
+    arms = result["per_step"]
+    plain, lean = arms.get("plain"), arms.get("plain, no profiler scopes")
+    lines = [f"Machine instructions per step (CPU, {result['model']}), `{meta['command']}` ({meta['date']}, "
+             f"commit {str(meta['git_commit'])[:10]}{' (dirty tree)' if meta['git_dirty'] else ''}, torch "
+             f"{meta['torch']}): each arm's instructions over {result['steps']} steps counted by Valgrind's "
+             f"callgrind after {result['warmup']} uncounted ones, all arms in one process (the counts are the "
+             "same from run to run).", "",
+             "| arm | instructions per step | over the plain loop | over the plain loop without profiler scopes |",
+             "|---|---|---|---|"]
+    for arm, value in arms.items():
+        over = [("–" if base is None else f"{value - base:+,.0f}") for base in (plain, lean)]
+        lines.append(f"| {arm} | {value:,.0f} | {over[0]} | {over[1]} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="mlp-1ms", help="a bench.overhead model (tiny, mlp-1ms, ...)")
+    parser.add_argument("--warmup", type=int, default=100, help="uncounted steps per arm first")
+    parser.add_argument("--steps", type=int, default=200, help="counted steps per arm")
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # the process under valgrind
+    args = parser.parse_args(argv)
+    if args.warmup < 0 or args.steps < 1:
+        parser.error(f"--warmup >= 0 and --steps >= 1, got {args.warmup} and {args.steps}")
+    if args.child:
+        step_arms(args.model, args.arms, args.warmup, args.steps)
+        return
+    valgrind = shutil.which("valgrind")
+    if valgrind is None:
+        parser.error("valgrind is not installed (the counts come from its callgrind tool)")
+    from bench.protocol import run_metadata, write_results
+
+    print(f"{len(args.arms)} arms of {args.model} under callgrind (minutes: Valgrind runs ~50-100x slower)", flush=True)
+    with tempfile.TemporaryDirectory() as scratch:
+        per_step = count(args.model, args.arms, args.warmup, args.steps, valgrind, Path(scratch))
+    result = dict(model=args.model, warmup=args.warmup, steps=args.steps, per_step=per_step)
+    meta = run_metadata("python -m experiments.step_instructions " + shlex.join(sys.argv[1:] if argv is None else argv))
+    write_results(args.out, f"step_instructions_{args.model}", dict(meta=meta, result=result), report(result, meta))
+
+
+if __name__ == "__main__":
+    main()
