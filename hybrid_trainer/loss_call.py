@@ -7,7 +7,6 @@ construction), so these are functions of the loss function, not objects holding 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import nullcontext
 from typing import Any, Callable
 
 import torch
@@ -30,9 +29,15 @@ def checked_loss(loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], model:
     """``loss_fn(model, batch)`` under ``torch.autocast`` when ``autocast_dtype`` is set, as a
     0-d tensor; TypeError when it is not a one-element tensor, or (with gradients enabled) not
     attached to the graph."""
-    with (nullcontext() if autocast_dtype is None
-          else torch.autocast(device.type, dtype=getattr(torch, autocast_dtype))):
+    if autocast_dtype is None:  # no context manager to build and enter on every step
         loss = loss_fn(model, batch)
+    else:
+        with torch.autocast(device.type, dtype=getattr(torch, autocast_dtype)):
+            loss = loss_fn(model, batch)
+    # Nearly every step: a 0-d tensor attached to the graph (three attribute reads, no call);
+    # anything else goes through the checks below.
+    if type(loss) is torch.Tensor and loss.requires_grad and loss.ndim == 0:
+        return loss
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
                         f"{'' if not isinstance(loss, torch.Tensor) else ' of shape ' + str(tuple(loss.shape))}")

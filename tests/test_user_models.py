@@ -219,3 +219,15 @@ def test_a_detached_loss_is_named_as_loss_fns_fault(stream, detach):
     with pytest.raises(TypeError, match="loss_fn returned a loss detached"):
         trainer.step(stream[0])
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_a_loss_of_one_element_is_stepped_on_and_one_of_several_is_named_as_loss_fns_fault(stream):
+    model = mlp(0)
+    one = HybridTrainer(model, torch.optim.AdamW(model.parameters()), lambda m, b: cross_entropy(m, b).reshape(1, 1),
+                        HybridConfig(**FAST))
+    assert one.step(stream[0]).backward_done
+    model = mlp(0)
+    several = HybridTrainer(model, torch.optim.AdamW(model.parameters()),
+                            lambda m, b: cross_entropy(m, b) * torch.ones(2), HybridConfig(**FAST))
+    with pytest.raises(TypeError, match=r"loss_fn must return a scalar tensor, got Tensor of shape \(2,\)"):
+        several.step(stream[0])
