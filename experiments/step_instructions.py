@@ -20,9 +20,10 @@ counts: ``--zero-before=getppid``) and one of ``os.getpgrp`` (on which it writes
 ``--dump-before=getpgrp``). An arm's figure is its counted instructions over ``--steps``, every
 good-state snapshot among them included, and the snapshot thread's instructions with the
 step's. The counts do not depend on the machine's load (Valgrind runs the threads one at a time),
-but an arm's count moves a little with what ran before it in the process: the same loop, counted
-after other arms, differed by 0.6% on the tiny MLP and 0.01% on the 1 ms MLP between two runs with
-different arms. Compare arms within one run, or runs of the same arms in the same order.
+but they are not quite the same from run to run: the tiny MLP's plain loop counted 1,448k and
+1,455k instructions a step in two runs of the same arms in the same order (0.5%), and an arm's
+count moves with what ran before it in the process. Compare arms within one run, or runs of the
+same arms in the same order, and read differences under ~1% of a step as noise.
 Instructions are not time: a step's Python
 runs at a few instructions per nanosecond, its reads of memory far slower, so the count measures
 the trainer's bookkeeping, and the guard's pass over the gradients only in part.
@@ -129,11 +130,12 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("valgrind is not installed (the counts come from its callgrind tool)")
     from bench.protocol import run_metadata, write_results
 
+    # Taken before the child imports the code it counts: a commit made during the run is not it.
+    meta = run_metadata("python -m experiments.step_instructions " + shlex.join(sys.argv[1:] if argv is None else argv))
     print(f"{len(args.arms)} arms of {args.model} under callgrind (minutes: Valgrind runs ~50-100x slower)", flush=True)
     with tempfile.TemporaryDirectory() as scratch:
         per_step = count(args.model, args.arms, args.warmup, args.steps, valgrind, Path(scratch))
     result = dict(model=args.model, warmup=args.warmup, steps=args.steps, per_step=per_step)
-    meta = run_metadata("python -m experiments.step_instructions " + shlex.join(sys.argv[1:] if argv is None else argv))
     write_results(args.out, f"step_instructions_{args.model}", dict(meta=meta, result=result), report(result, meta))
 
 
