@@ -578,3 +578,18 @@ def test_the_quiet_bounds_follow_every_change_of_the_window():
     monitor.reset_window()
     current()
     assert not monitor.check(1e6, 1e6).critical  # no history: nothing to compare with
+
+
+def test_quiet_checks_share_one_report_that_nothing_changes():
+    from hybrid_trainer.divergence import QUIET_REPORT
+
+    monitor = DivergenceMonitor()
+    reports = []
+    for i in range(40):
+        loss, norm = 1.0 - 0.01 * i, 0.5
+        reports.append(monitor.check(loss, norm))
+        monitor.observe(loss, norm)
+    assert all(report is QUIET_REPORT for report in reports)
+    spike = monitor.check(1e6, 0.5)
+    assert spike.critical and spike is not QUIET_REPORT
+    assert QUIET_REPORT.severity is Severity.OK and QUIET_REPORT.reasons == [] and QUIET_REPORT.kinds == []
