@@ -461,29 +461,24 @@ class DivergenceMonitor:
         by a relative ``_BOUND_ROOM`` so that the rounding of ``(loss - center) / scale`` cannot
         make a value inside it fail the rule. A value outside is not judged by them: it goes to
         :meth:`_quiet` itself, so the decisions are the same as without the bounds."""
-        # Inlined (_median_of_sorted, _scale_floor): it runs after every accepted step.
-        ordered, count = self._losses_sorted, len(self._losses)
+        ordered = self._losses_sorted
         ceiling = ordered[-1] if ordered else _LARGEST  # the loss_jump rule looks further above the largest
+        count = len(self._losses)
         if count >= self.min_history:
-            n = len(ordered)
-            half = n // 2
-            center = ordered[half] if n % 2 else (ordered[half - 1] + ordered[half]) / 2
-            spread_bound = 0.999 * (ordered[-1] - ordered[0]) / math.sqrt(2 * (n - 1))
-            scale_floor = self.relative_scale_floor * abs(center)
-            allowed = self.loss_z_warning * max(spread_bound, scale_floor, _ABSOLUTE_SCALE_FLOOR)
+            center = _median_of_sorted(ordered)
+            spread_bound = 0.999 * (ordered[-1] - ordered[0]) / math.sqrt(2 * (len(ordered) - 1))
+            allowed = self.loss_z_warning * max(spread_bound, self._scale_floor(center))
             ceiling = min(ceiling, center + allowed - _BOUND_ROOM * (abs(center) + allowed))
-        window = self.oscillation_window
-        if count >= window and (self._sign_change_count + 1) / (window - 1) > self.oscillation_threshold:
+        if (count >= self.oscillation_window
+                and (self._sign_change_count + 1) / (self.oscillation_window - 1) > self.oscillation_threshold):
             ceiling = -math.inf  # the oscillation test may fire whatever the loss: no step is surely quiet
         norms = self._grad_norms_sorted
-        n = len(norms)
-        if not n:
+        if not norms:
             grad_ceiling = _LARGEST
-        elif n < self.min_history:
+        elif len(norms) < self.min_history:
             grad_ceiling = self.grad_jump_factor * norms[-1]
         else:
-            half = n // 2
-            grad_ceiling = self.grad_explosion_factor * (norms[half] if n % 2 else (norms[half - 1] + norms[half]) / 2)
+            grad_ceiling = self.grad_explosion_factor * _median_of_sorted(norms)
         return ceiling, self.grad_vanish_threshold, min(grad_ceiling, _LARGEST)
 
     def _quiet(self, loss: float, grad_norm: float) -> bool:
