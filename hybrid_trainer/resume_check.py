@@ -82,9 +82,11 @@ def _all_finite_on_cpu(tensors: list[torch.Tensor]) -> bool:
     cheapest full pass torch has on a CPU (20 µs for 400k floats against 44 µs for a norm), and
     on a CPU each is read as it comes: over the 1 ms MLP's weights and AdamW state ~85 µs,
     against ~140 µs for one multi-tensor norm and ~115 µs for the sums stacked into one read
-    (the good-state snapshot runs it every ``good_state_every`` steps)."""
+    (the good-state snapshot runs it every ``good_state_every`` steps). A 0-d tensor (an
+    optimizer's step count) is read as it is: its sum is a dispatcher call for nothing."""
     for t in tensors:
-        if not math.isfinite(t.sum(dtype=torch.float32 if t.element_size() < 4 else None).item()):
+        value = t.item() if t.ndim == 0 else t.sum(dtype=torch.float32 if t.element_size() < 4 else None).item()
+        if not math.isfinite(value):
             return False
     return True
 

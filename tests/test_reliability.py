@@ -287,6 +287,9 @@ def test_non_finite_names_names_each_non_finite_floating_tensor_once():
              ("f", torch.empty(0)), ("g", 3.0)]
     assert non_finite_names(named) == ["b", "c", "d"]
     assert non_finite_names([("a", torch.full((4,), 3e38))]) == []  # large is not infinite
+    # 0-d tensors (an optimizer's step count) are read as they are, not summed
+    scalars = [("s", torch.tensor(4.0)), ("t", torch.tensor(math.nan)), ("u", torch.tensor(-math.inf, dtype=torch.bfloat16))]
+    assert non_finite_names(scalars) == ["t", "u"] and non_finite_names(scalars[:1]) == []
 
 
 def test_buffer_guard_restores_a_buffer_the_forward_reassigned():
