@@ -61,7 +61,10 @@ class DeferredChecks:
         # (result, the step's [loss, gradient norms...] as a device tensor or its read (loss, norm) pair,
         # whether it had gradients)
         self.pending: list[tuple[PendingStepResult, Any, bool]] = []
-        self._found: torch.Tensor | None = None  # the device-side skip flag, reused every step
+        # The device-side skip flags: ``every`` zeros, one taken per step and zeroed again once
+        # they are used up (_found_flag).
+        self._flags: torch.Tensor | None = None
+        self._flags_taken = 0
         self._one: torch.Tensor | None = None
 
     @property
@@ -78,24 +81,24 @@ class DeferredChecks:
         judging it yet.
 
         ``loss``: the step's 0-d loss; ``norms``: 0-d norms whose root sum of squares is the
-        global gradient norm (``StepGuard.grad_norms``: one per gradient; None without
-        gradients), on the loss's device. They are queued as they are, ``[loss, n_1, ..., n_k]``
-        in one float32 stack (torch promotes 16-bit norms), and combined on the host at the
-        read (:func:`global_norm`, float64): one stack a step, where reducing them to the
-        global norm first cost two more launches. A non-finite gradient makes its own norm
+        global gradient norm (``StepGuard.grad_norms``: one per gradient, in float32 where the
+        gradients are 16-bit; None without gradients), on the loss's device. They are queued
+        as they are, ``[loss, n_1, ..., n_k]`` (the loss in float32), and stacked once per read
+        (:meth:`settle`), where a stack per step was one more launch a step; combined on the
+        host at the read (:func:`global_norm`, float64). The device-side flag is GradScaler's
+        own check, one multi-tensor op over those 0-d tensors, into a flag that is one of
+        ``every`` zeros (:meth:`_found_flag`): zeroing one flag a step was another launch a
+        step. With those two, a step with a fused optimizer issues as many ops as the plain
+        fused loop (``python -m bench.host_ops``). A non-finite gradient makes its own norm
         non-finite, so the device-side flag sees it; finite norms whose squares overflow
-        float32 no longer read as non-finite there, and the monitor judges their global norm."""
-        values = torch.stack([loss.float(), *([] if norms is None else norms)])
+        float32 do not read as non-finite there, and the monitor judges their global norm."""
+        values = [loss.float(), *([] if norms is None else norms)]
         optimizer = guard.optimizer
         if getattr(optimizer, "_step_supports_amp_scaling", False):
-            if self._found is None or self._found.device != values.device:
-                self._found = torch.zeros((), dtype=torch.float32, device=values.device)
-                self._one = torch.ones((), dtype=torch.float32, device=values.device)
-            found = self._found
-            found.zero_()
+            found = self._found_flag(loss.device)
             # GradScaler's own check: one op sets found to 1 if a value is not finite (the
             # multiplication by 1 leaves the values as they are).
-            torch._amp_foreach_non_finite_check_and_unscale_([values], found, self._one)
+            torch._amp_foreach_non_finite_check_and_unscale_(values, found, self._one)
             optimizer.found_inf = found
             try:
                 guard.step_optimizer()
@@ -105,8 +108,24 @@ class DeferredChecks:
             result.values_on_device(values, has_norm=norms is not None)
             self.pending.append((result, values, norms is not None))
             return
-        loss_value, *norm_values = values.tolist()  # the read an optimizer without a device-side skip costs
+        loss_value, *norm_values = torch.stack(values).tolist()  # the read an optimizer without a device-side skip costs
         self.launch_read(guard, loss_value, global_norm(norm_values), norms is not None, result)
+
+    def _found_flag(self, device: torch.device) -> torch.Tensor:
+        """A 0-d float32 zero on ``device`` for one step's device-side skip flag: the next of
+        ``every`` zeros, all zeroed again (one op) once each has been taken. A flag is read
+        only by the step that takes it (the fused update and the buffers' ``where``, queued on
+        the device before the zeroing that reuses it)."""
+        flags = self._flags
+        if flags is None or flags.device != device:
+            flags = self._flags = torch.zeros(self.every, dtype=torch.float32, device=device)
+            self._one = torch.ones((), dtype=torch.float32, device=device)
+            self._flags_taken = 0
+        elif self._flags_taken == self.every:
+            flags.zero_()
+            self._flags_taken = 0
+        self._flags_taken += 1
+        return flags[self._flags_taken - 1]
 
     def launch_read(self, guard: Any, loss_value: float, norm_value: float, has_norm: bool,
                     result: PendingStepResult) -> None:
@@ -125,11 +144,12 @@ class DeferredChecks:
         if not self.pending:
             return []
         pending, self.pending = self.pending, []
-        on_device = [v for _, v, _ in pending if isinstance(v, torch.Tensor)]
-        read = iter(torch.cat(on_device).tolist()) if on_device else iter(())  # the block's one read
+        # Queued on the device: a list of 0-d tensors (launch); read already: a (loss, norm) tuple.
+        on_device = [t for _, v, _ in pending if isinstance(v, list) for t in v]
+        read = iter(torch.stack(on_device).tolist()) if on_device else iter(())  # the block's one read
         values = []
         for result, value, has_norm in pending:
-            if isinstance(value, torch.Tensor):  # [loss, n_1, ..., n_k]: k from the queued tensor
+            if isinstance(value, list):  # [loss, n_1, ..., n_k]: k from the queued list
                 loss_value, norm_value = next(read), global_norm([next(read) for _ in range(len(value) - 1)])
             else:
                 loss_value, norm_value = value

@@ -7,6 +7,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
+
 from .phases import Phase
 
 
@@ -65,7 +67,7 @@ class PendingStepResult(StepResult):
 
     loss = _read_on_access("loss")
     grad_norm = _read_on_access("grad_norm")
-    _on_device: Any = None  # the step's [loss, gradient norms...] as a device tensor, until read
+    _on_device: Any = None  # the step's [loss, gradient norms...] as 0-d device tensors, until read
     _has_norm = True
     settled = False
 
@@ -80,7 +82,7 @@ class PendingStepResult(StepResult):
         self.grad_norm = grad_norm if finite and self._has_norm else None
 
     def _read_device_values(self) -> None:
-        loss, *norms = self._on_device.tolist()
+        loss, *norms = torch.stack(self._on_device).tolist()
         self.values_read(loss, global_norm(norms))
 
 

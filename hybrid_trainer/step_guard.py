@@ -289,10 +289,14 @@ class StepGuard:
         norm (:func:`~hybrid_trainer.run_report.global_norm`): one per gradient where the
         gradients share a device and dtype and no clipping is asked for (one op,
         ``_foreach_norm``, instead of :meth:`grad_norm`'s three), else the one global norm; None
-        without gradients."""
+        without gradients. Norms of 16-bit gradients come in float32, the loss's dtype where
+        :mod:`~hybrid_trainer.deferred_checks` queues them: one multi-tensor check takes them
+        all only in one dtype."""
         if self.config.grad_clip is None and self._grads_uniform:
             grads = [p.grad for p in self.params if p.grad is not None]
-            return torch._foreach_norm(grads) if grads else None
+            if not grads:
+                return None
+            return torch._foreach_norm(grads, 2, dtype=torch.float32 if grads[0].element_size() < 4 else None)
         norm = self.grad_norm()
         return None if norm is None else [norm]
 

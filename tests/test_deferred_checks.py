@@ -6,6 +6,7 @@ reaches a weight); a spike found at the read goes back to the last good state an
 steps after it; a deferred step with a fused optimizer reads nothing back; saving settles the
 block, so resume stays bit-exact; metrics records and events come at the read, in step order.
 """
+import collections
 import json
 import math
 
@@ -76,15 +77,35 @@ def test_clean_run_matches_the_per_step_guard(fused):
 
 
 def test_a_deferred_step_queues_its_loss_and_one_norm_per_gradient():
-    """The device-side path queues ``[loss, |g_1|, ..., |g_k|]`` in one stack (no reduction to
-    the global norm on the device); a result read before the block's read combines them."""
+    """The device-side path queues ``[loss, |g_1|, ..., |g_k|]`` as 0-d float32 tensors (no
+    reduction to the global norm on the device, no stack before the read); a result read before
+    the block's read combines them."""
     trainer, batches, done = _right_after_a_read(fused=True)
     result = trainer.step(batches[done])
     _, values, has_norm = trainer.guard.deferred.pending[-1]
-    assert has_norm and values.shape == (1 + len(trainer.params),) and values.dtype == torch.float32
-    grads_norms = values[1:].tolist()
+    assert has_norm and len(values) == 1 + len(trainer.params)
+    assert all(v.shape == () and v.dtype == torch.float32 for v in values)
+    grads_norms = [v.item() for v in values[1:]]
     assert result.grad_norm == math.sqrt(math.fsum(n * n for n in grads_norms))  # read on access
     assert result.loss == values[0].item() and not result.settled
+
+
+def test_between_reads_a_fused_step_adds_the_norms_and_one_check_and_no_stack_or_zeroing():
+    """On a GPU each op is a launch. Between reads a step with a fused optimizer adds to the
+    forward, backward and update the gradients' norms and one multi-tensor check of them (and
+    torch's own step-count correction for ``found_inf``): its values are stacked once at the
+    read, and its skip flag is one of ``read_every`` zeros, zeroed again once they are used up."""
+    trainer, batches, done = _right_after_a_read(fused=True)
+    counter = HostOps()
+    with counter:
+        for b in batches[done:done + 15]:  # no read due among them
+            trainer.step(b)
+    ops = collections.Counter(counter.ops)
+    assert ops["_foreach_norm"] == 15 and ops["_amp_foreach_non_finite_check_and_unscale_"] == 15
+    assert ops["stack"] == 0 and ops["cat"] == 0 and ops["zero_"] <= 1, ops
+    with counter:
+        trainer.step(batches[done + 15])  # the read: one stack for the whole block
+    assert collections.Counter(counter.ops)["stack"] == 1
 
 
 @pytest.mark.parametrize("fused", [False, True])
