@@ -62,8 +62,9 @@ class DeferredChecks:
         # whether it had gradients)
         self.pending: list[tuple[PendingStepResult, Any, bool]] = []
         # The device-side skip flags: ``every`` zeros, one taken per step and zeroed again once
-        # they are used up (_found_flag).
+        # they are used up (_found_flag), and a 0-d view of each, made once.
         self._flags: torch.Tensor | None = None
+        self._flag_views: tuple[torch.Tensor, ...] = ()
         self._flags_taken = 0
         self._one: torch.Tensor | None = None
 
@@ -113,19 +114,21 @@ class DeferredChecks:
 
     def _found_flag(self, device: torch.device) -> torch.Tensor:
         """A 0-d float32 zero on ``device`` for one step's device-side skip flag: the next of
-        ``every`` zeros, all zeroed again (one op) once each has been taken. A flag is read
-        only by the step that takes it (the fused update and the buffers' ``where``, queued on
-        the device before the zeroing that reuses it)."""
+        ``every`` zeros, all zeroed again (one op) once each has been taken; their views are made
+        with them, so that taking one is no op. A flag is read only by the step that takes it
+        (the fused update and the buffers' ``where``, queued on the device before the zeroing
+        that reuses it)."""
         flags = self._flags
         if flags is None or flags.device != device:
             flags = self._flags = torch.zeros(self.every, dtype=torch.float32, device=device)
+            self._flag_views = flags.unbind()
             self._one = torch.ones((), dtype=torch.float32, device=device)
             self._flags_taken = 0
         elif self._flags_taken == self.every:
             flags.zero_()
             self._flags_taken = 0
         self._flags_taken += 1
-        return flags[self._flags_taken - 1]
+        return self._flag_views[self._flags_taken - 1]
 
     def launch_read(self, guard: Any, loss_value: float, norm_value: float, has_norm: bool,
                     result: PendingStepResult) -> None:
