@@ -58,8 +58,8 @@ class DeferredChecks:
 
     def __init__(self, every: int):
         self.every = every
-        # (result, the step's [loss, gradient norms...] as a device tensor or its read (loss, norm) pair,
-        # whether it had gradients)
+        # (result, the step's [loss, gradient norms...] as a list of 0-d device tensors or its read
+        # (loss, norm) tuple, whether it had gradients)
         self.pending: list[tuple[PendingStepResult, Any, bool]] = []
         # The device-side skip flags: ``every`` zeros, one taken per step and zeroed again once
         # they are used up (_found_flag), and a 0-d view of each, made once.

@@ -318,3 +318,24 @@ def test_a_refused_step_that_ends_its_block_is_reported_once_and_as_what_it_was(
     assert refused == [last_of_block, last_of_block + 4]
     assert rollbacks == [("divergence", last_of_block + 4)]
 
+
+
+def test_16_bit_gradients_queue_their_norms_in_float32():
+    """GradScaler's check takes the queued values in one multi-tensor op only when they share a
+    dtype: the loss is float32, so 16-bit gradients' norms are taken in float32 (not rounded to
+    16 bits first)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(12, 3).to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    trainer = HybridTrainer(model, optimizer, lambda m, b: m(b[0].to(torch.bfloat16)).float().pow(2).mean(),
+                            HybridConfig(predict=False, read_every=16, good_state_every=6))
+    batches = _batches(24)
+    done = _steps_until_a_read(trainer, batches)
+    trainer.step(batches[done])
+    _, values, _ = trainer.guard.deferred.pending[-1]
+    assert [v.dtype for v in values] == [torch.float32] * 3  # the loss and two norms
+    trainer.loss_fn(model, batches[done + 1]).backward()  # gradients to compare the norms with
+    norms = trainer.guard.grad_norms()
+    assert [n.dtype for n in norms] == [torch.float32] * 2
+    for norm, p in zip(norms, trainer.params):
+        assert norm.item() == pytest.approx(p.grad.float().norm().item(), rel=1e-6)
