@@ -259,9 +259,10 @@ class HybridTrainer:
         return self._step_events(result, phase, disabled_before)
 
     def _end_steady_step(self, result: StepResult, phase: Phase, disabled_before: str | None) -> StepResult:
-        """:meth:`_end_step` of a judged steady step (:meth:`_steady_step`): the same effects,
+        """:meth:`_end_step` of a steady step (:meth:`_steady_step`), judged or waiting for the
+        guard's read (a :class:`PendingStepResult`, logged when it settles): the same effects,
         without what that path rules out (a PREDICT phase, prediction on, the memory profiler,
-        the VRAM guard, a pending verdict). Each object the end of a step looks at costs a few µs
+        the VRAM guard). Each object the end of a step looks at costs a few µs
         on a small model, whose step streams its state through the cache
         (``python -m bench.overhead``)."""
         stats, ctl, name = self.stats, self.controller, _PHASE_NAMES[phase]
@@ -273,7 +274,7 @@ class HybridTrainer:
         if predict_phase.predictor.allocated or self.forecaster.dynamics is not None:
             predict_phase.release()  # off for good: what only prediction used goes
             self.forecaster.release()
-        if self.metrics is not None:
+        if self.metrics is not None and not isinstance(result, PendingStepResult):  # those are logged when they settle
             self._log(result)
         return self._step_events(result, phase, disabled_before)
 
@@ -480,7 +481,7 @@ class HybridTrainer:
             result.wall_time_s = time.perf_counter() - started
             if deferred.due:
                 self._settle()  # the guard's read of the last read_every steps
-            return self._end_step(result, phase, disabled_before)
+            return self._end_steady_step(result, phase, disabled_before)
         total, grad_norm = guard.read_step_values(loss)  # sync point: one read per step, as loss.item()
         report = guard.monitor.check(total, grad_norm)  # guard.check without a GradScaler (none here)
         if report.critical:
@@ -522,7 +523,7 @@ class HybridTrainer:
         applied unless the loss or gradients are non-finite (decided on the device with a fused
         optimizer, nothing read back; else from the two values, read now)."""
         guard, optimizer = self.guard, self.optimizer
-        result = PendingStepResult(step=self.step_count, phase=phase.value, loss=None, backward_done=True,
+        result = PendingStepResult(step=self.step_count, phase=_PHASE_NAMES[phase], loss=None, backward_done=True,
                                    divergence="PENDING", lr=lrs[0], lrs=lrs)
         if guard.reads_free and not getattr(optimizer, "_step_supports_amp_scaling", False):
             # Reads cost nothing here: the per-step guard's own read (one op on the gradients).
