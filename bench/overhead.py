@@ -849,8 +849,8 @@ BREAKDOWN_PARTS = {  # label: (object path from the trainer, "" for the trainer 
     "checks read + update (deferred)": ("guard.deferred", "launch_read"),
     "block read and judgment (deferred)": ("guard.deferred", "settle"),
     "end of step: counters, events, metrics": ("", "_end_step"),
-    # The lean step (prediction off, per-step checks) ends with its own method and calls the
-    # monitor's check directly; the general path's guard.check calls it too.
+    # The lean step (prediction off, per-step checks or waiting for the read) ends with its own
+    # method and calls the monitor's check directly; the general path's guard.check calls it too.
     "end of lean step: counters, events, metrics": ("", "_end_steady_step"),
     "divergence check (guard)": ("guard.monitor", "check"),
     "accept: monitor + good state (guard)": ("guard", "accept"),
