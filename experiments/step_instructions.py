@@ -12,7 +12,16 @@ code the timing benchmark steps), plus the compact guard of :mod:`experiments.co
 * ``plain, no profiler scopes``: gradients set to None, the update without torch's scope;
 * ``plain + norm and read (guard floor)``: the plain loop plus the loss and gradient read;
 * ``compact guard``: the guard's per-step work and nothing else;
-* ``predict=False``: the trainer with prediction off (a good-state snapshot every 50 steps).
+* ``predict=False``: the trainer with prediction off (a good-state snapshot every 50 steps);
+* ``predict=False, torch dots``: the same with :mod:`hybrid_trainer.blas_dots`'s routines taken
+  away while it is built and stepped, so that its dots go through ``torch.dot`` (the trainer
+  before that module).
+
+``--cache-sim`` also simulates the caches (Valgrind's ``--cache-sim=yes``: first-level
+instruction and data caches and the last level) and adds their misses and Valgrind's own
+cycle estimate, ``Ir + 10 (L1 misses) + 100 (last-level misses)`` (callgrind_annotate's
+``CEst``): the Python around a step's tensor work runs after the tensors have pushed its code
+and objects out of the first-level caches, which instruction counts alone do not show.
 
 One process under ``valgrind --tool=callgrind`` steps every arm in turn: ``--warmup`` steps,
 then ``--steps`` counted ones, between a call of ``os.getppid`` (on which Valgrind zeroes its
@@ -44,8 +53,11 @@ from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ARMS = ("plain", "plain, no profiler scopes", "plain + norm and read (guard floor)", "compact guard",
-        "predict=False")
+        "predict=False", "predict=False, torch dots")
+DEFAULT_ARMS = ARMS[:5]
 _SUMMARY = re.compile(r"^summary:\s+(\d+)", re.MULTILINE)
+_EVENTS = re.compile(r"^events:(.*)$", re.MULTILINE)
+_TOTALS = re.compile(r"^summary:(.*)$", re.MULTILINE)
 
 
 def counted_instructions(dump: str) -> int:
@@ -54,6 +66,23 @@ def counted_instructions(dump: str) -> int:
     if found is None:
         raise ValueError("no 'summary:' line in the callgrind dump")
     return int(found.group(1))
+
+
+def counted_events(dump: str) -> dict[str, int]:
+    """Every event total of one callgrind dump by name (``Ir``, and with the cache simulation
+    ``I1mr``, ``D1mr``, ``D1mw``, ``ILmr``, ``DLmr``, ``DLmw``)."""
+    names, totals = _EVENTS.search(dump), _TOTALS.search(dump)
+    if names is None or totals is None:
+        raise ValueError("no 'events:' and 'summary:' lines in the callgrind dump")
+    return dict(zip(names.group(1).split(), map(int, totals.group(1).split())))
+
+
+def cycle_estimate(events: dict[str, float]) -> float:
+    """Valgrind's cycle estimate from simulated cache events: each first-level miss 10 cycles,
+    each last-level miss 100, on top of one per instruction."""
+    first = events["I1mr"] + events["D1mr"] + events["D1mw"]
+    last = events["ILmr"] + events["DLmr"] + events["DLmw"]
+    return events["Ir"] + 10 * first + 100 * last
 
 
 def step_arms(model: str, arms: list[str], warmup: int, steps: int) -> None:
@@ -68,9 +97,15 @@ def step_arms(model: str, arms: list[str], warmup: int, steps: int) -> None:
     torch.set_num_threads(1)
     workload = make_workload(model, 64, torch.device("cpu"))
     batches = workload.batches
+    from hybrid_trainer import blas_dots
+
+    routines = dict(blas_dots._ROUTINES)
     for arm in arms:
+        # This arm only: no routine past the dispatcher, so its reads call torch.dot.
+        blas_dots._ROUTINES.clear()
+        blas_dots._ROUTINES.update({} if arm == "predict=False, torch dots" else routines)
         step = (compact_guard_step(workload)[0] if arm == "compact guard"
-                else _arm_step(arm, workload, torch.device("cpu"))[0])
+                else _arm_step(arm.removesuffix(", torch dots"), workload, torch.device("cpu"))[0])
         for i in range(warmup):
             step(batches[i % len(batches)])
         os.getppid()
@@ -79,10 +114,13 @@ def step_arms(model: str, arms: list[str], warmup: int, steps: int) -> None:
         os.getpgrp()
 
 
-def count(model: str, arms: list[str], warmup: int, steps: int, valgrind: str, scratch: Path) -> dict[str, float]:
-    """Instructions per counted step of every arm, from one valgrind process."""
+def count(model: str, arms: list[str], warmup: int, steps: int, valgrind: str, scratch: Path,
+          cache_sim: bool = False) -> dict[str, dict[str, float]]:
+    """Events per counted step of every arm (instructions ``Ir``, and with ``cache_sim`` the
+    simulated cache misses), from one valgrind process."""
     out = scratch / "callgrind.out"
-    command = [valgrind, "--tool=callgrind", "--zero-before=getppid", "--dump-before=getpgrp",
+    command = [valgrind, "--tool=callgrind", f"--cache-sim={'yes' if cache_sim else 'no'}",
+               "--zero-before=getppid", "--dump-before=getpgrp",
                f"--callgrind-out-file={out}", sys.executable, "-m", "experiments.step_instructions",
                "--model", model, "--warmup", str(warmup), "--steps", str(steps), "--child", "--arms", *arms]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONHASHSEED="0")  # the same hashing on every run
@@ -93,21 +131,33 @@ def count(model: str, arms: list[str], warmup: int, steps: int, valgrind: str, s
     if len(dumps) != len(arms):
         raise RuntimeError(f"expected one callgrind dump per arm ({len(arms)}), found {len(dumps)}: "
                            "something else called os.getpgrp")
-    return {arm: counted_instructions(path.read_text()) / steps for arm, path in zip(arms, dumps)}
+    return {arm: {name: total / steps for name, total in counted_events(path.read_text()).items()}
+            for arm, path in zip(arms, dumps)}
 
 
 def report(result: dict[str, Any], meta: dict[str, Any]) -> str:
     arms = result["per_step"]
+    events = result.get("events")
     plain, lean = arms.get("plain"), arms.get("plain, no profiler scopes")
     lines = [f"Machine instructions per step (CPU, {result['model']}), `{meta['command']}` ({meta['date']}, "
              f"commit {str(meta['git_commit'])[:10]}{' (dirty tree)' if meta['git_dirty'] else ''}, torch "
              f"{meta['torch']}): each arm's instructions over {result['steps']} steps counted by Valgrind's "
-             f"callgrind after {result['warmup']} uncounted ones, all arms in one process, in this order.", "",
-             "| arm | instructions per step | over the plain loop | over the plain loop without profiler scopes |",
-             "|---|---|---|---|"]
+             f"callgrind after {result['warmup']} uncounted ones, all arms in one process, in this order.", ""]
+    header = "| arm | instructions per step | over the plain loop | over the plain loop without profiler scopes |"
+    if events:
+        lines[0] += (" With the cache simulation: first-level misses (instruction, data read and write), "
+                     "last-level misses, and Valgrind's cycle estimate Ir + 10 L1 misses + 100 LL misses.")
+        header += " L1 misses | LL misses | cycle estimate | estimate over the plain loop |"
+    lines += [header, "|" + "---|" * header.count(" |")]
     for arm, value in arms.items():
         over = [("–" if base is None else f"{value - base:+,.0f}") for base in (plain, lean)]
-        lines.append(f"| {arm} | {value:,.0f} | {over[0]} | {over[1]} |")
+        row = f"| {arm} | {value:,.0f} | {over[0]} | {over[1]} |"
+        if events:
+            e = events[arm]
+            estimate, base = cycle_estimate(e), cycle_estimate(events["plain"]) if "plain" in events else None
+            row += (f" {e['I1mr'] + e['D1mr'] + e['D1mw']:,.0f} | {e['ILmr'] + e['DLmr'] + e['DLmw']:,.0f} | "
+                    f"{estimate:,.0f} | {'–' if base is None else f'{estimate - base:+,.0f}'} |")
+        lines.append(row)
     return "\n".join(lines) + "\n"
 
 
@@ -116,7 +166,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="mlp-1ms", help="a bench.overhead model (tiny, mlp-1ms, ...)")
     parser.add_argument("--warmup", type=int, default=100, help="uncounted steps per arm first")
     parser.add_argument("--steps", type=int, default=200, help="counted steps per arm")
-    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    parser.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS), choices=ARMS)
+    parser.add_argument("--cache-sim", action="store_true", help="simulate the caches too (several times slower)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # the process under valgrind
     args = parser.parse_args(argv)
@@ -134,9 +185,14 @@ def main(argv: list[str] | None = None) -> None:
     meta = run_metadata("python -m experiments.step_instructions " + shlex.join(sys.argv[1:] if argv is None else argv))
     print(f"{len(args.arms)} arms of {args.model} under callgrind (minutes: Valgrind runs ~50-100x slower)", flush=True)
     with tempfile.TemporaryDirectory() as scratch:
-        per_step = count(args.model, args.arms, args.warmup, args.steps, valgrind, Path(scratch))
-    result = dict(model=args.model, warmup=args.warmup, steps=args.steps, per_step=per_step)
-    write_results(args.out, f"step_instructions_{args.model}", dict(meta=meta, result=result), report(result, meta))
+        events = count(args.model, args.arms, args.warmup, args.steps, valgrind, Path(scratch), args.cache_sim)
+    result = dict(model=args.model, warmup=args.warmup, steps=args.steps,
+                  per_step={arm: e["Ir"] for arm, e in events.items()})
+    if args.cache_sim:
+        result["events"] = events
+        result["cycle_estimate"] = {arm: cycle_estimate(e) for arm, e in events.items()}
+    name = f"step_instructions_{args.model}" + ("_cache" if args.cache_sim else "")
+    write_results(args.out, name, dict(meta=meta, result=result), report(result, meta))
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from typing import Any, Protocol
 import torch
 
 from .anchor import WeightAnchor
+from .blas_dots import INT_LIMIT as BLAS_INT_LIMIT, self_dot_routine
 from .buffer_guard import BufferGuard
 from .config import HybridConfig
 from .deferred_checks import DeferredChecks
@@ -67,43 +68,55 @@ def grad_norm_tensor(grads: list[torch.Tensor]) -> torch.Tensor | None:
 
 # Gradient dtypes whose squared norm a CPU takes as one BLAS dot product per gradient (squares_by_dots).
 DOT_DTYPES = (torch.float32, torch.float64)
-# ... where the gradients hold at least this many entries each on average. A dot costs up to three
-# calls per gradient (view, dot, read) against _foreach_norm's one read per gradient after one call:
-# on the char-LM's 40 gradients (8.7k entries on average) the dots took 169 µs against 141, on a
-# 32-tensor MLP of 64-wide layers they were no faster in the step; on the 1 ms MLP (22k) and
-# Fashion-MNIST (90k) they were faster (squares_by_dots).
+# ... where torch.dot would be called for them (no routine of blas_dots), only where the gradients
+# hold at least this many entries each on average. Through torch a dot costs up to three calls per
+# gradient (view, dot, read) against _foreach_norm's one read per gradient after one call: on the
+# char-LM's 40 gradients (8.7k entries on average) the dots took 169 µs against 141, on a 32-tensor
+# MLP of 64-wide layers they were no faster in the step; on the 1 ms MLP (22k) and Fashion-MNIST
+# (90k) they were faster (squares_by_dots). Called past the dispatcher (blas_dots), a dot costs
+# less than a read of a norm, at any size.
 DOTS_FROM_MEAN_NUMEL = 16384
 
 
 def read_by_dots(params: list[torch.Tensor]) -> bool:
     """Whether a CPU read takes the gradients of ``params`` (the guarded parameters) as
-    :func:`squares_by_dots`: all on the CPU in one dtype of :data:`DOT_DTYPES`, with at least
+    :func:`squares_by_dots`: all on the CPU in one dtype of :data:`DOT_DTYPES`, either with a
+    routine of :mod:`~hybrid_trainer.blas_dots` for it or with at least
     :data:`DOTS_FROM_MEAN_NUMEL` entries each on average."""
     if not params:
         return False
     first = params[0]
     return (first.device.type == "cpu" and first.dtype in DOT_DTYPES
             and all(p.device == first.device and p.dtype == first.dtype for p in params)
-            and sum(p.numel() for p in params) >= DOTS_FROM_MEAN_NUMEL * len(params))
+            and (self_dot_routine(first.dtype) is not None
+                 or sum(p.numel() for p in params) >= DOTS_FROM_MEAN_NUMEL * len(params)))
 
 
 def squares_by_dots(grads: list[torch.Tensor]) -> float:
-    """Sum of the squares of every entry of ``grads`` (CPU tensors of one dtype in
-    :data:`DOT_DTYPES`, each viewable as a vector), as a Python float: one dot product of each
-    gradient with itself (BLAS ``sdot``/``ddot``: MKL in torch's x86 CPU builds), read and summed
-    with ``fsum``.
+    """Sum of the squares of every entry of ``grads`` (dense CPU tensors of one dtype in
+    :data:`DOT_DTYPES`), as a Python float: one dot product of each gradient with itself (BLAS
+    ``sdot``/``ddot``: MKL in torch's x86 CPU builds), summed with ``fsum``. The routine is
+    called past torch's dispatcher where :mod:`~hybrid_trainer.blas_dots` has it and every
+    gradient is contiguous (the same bits as ``torch.dot``, without its ~2.5 µs of calls a
+    gradient), else through ``torch.dot`` on each gradient as a vector.
 
     Why not ``_foreach_norm``: torch has no multi-tensor CPU kernel for it, so it runs a generic
     reduction per tensor. Two trainers, one reading each way, stepped in turn on one core (200
-    and 60 rounds of 50 steps): the dots' steps were 14 µs [-34, +1] shorter on the 1 ms MLP
-    (six gradients, 134k entries) and 92 µs [-137, +8] on Fashion-MNIST (0.54M); on many small
-    gradients they cost more (:data:`DOTS_FROM_MEAN_NUMEL`). MKL's dot of a 12.8M-entry gradient
-    was closer to the float64 sum than ``_foreach_norm`` (relative error 3.7e-4 against 1.1e-3).
-    Neither rescales, so both give 0 where every square underflows the dtype and Inf where one
-    overflows; a NaN or an Inf entry makes the sum non-finite. Raises RuntimeError for a gradient
-    that is not a contiguous dense tensor (``view(-1)``). A vector is taken as it is: its
-    ``view(-1)`` costs ~1.3 µs, its ``ndim`` 0.1 µs, and a model's biases and norm scales are
-    vectors (half the 1 ms MLP's six gradients)."""
+    and 60 rounds of 50 steps): the dots' steps (through torch.dot) were 14 µs [-34, +1] shorter
+    on the 1 ms MLP (six gradients, 134k entries) and 92 µs [-137, +8] on Fashion-MNIST (0.54M);
+    through torch, on many small gradients they cost more (:data:`DOTS_FROM_MEAN_NUMEL`). MKL's
+    dot of a 12.8M-entry gradient was closer to the float64 sum than ``_foreach_norm`` (relative
+    error 3.7e-4 against 1.1e-3). Neither rescales, so both give 0 where every square underflows
+    the dtype and Inf where one overflows; a NaN or an Inf entry makes the sum non-finite. Raises
+    RuntimeError for a gradient that is not a contiguous dense tensor (torch's ``view(-1)``). A
+    vector is taken as it is: its ``view(-1)`` costs ~1.3 µs, its ``ndim`` 0.1 µs, and a model's
+    biases and norm scales are vectors (half the 1 ms MLP's six gradients)."""
+    dtype = grads[0].dtype if grads else None
+    routine = self_dot_routine(dtype)
+    # What the routine reads must be what it is told: one dtype, contiguous, on the host.
+    if routine is not None and all(g.is_cpu and g.dtype is dtype and g.is_contiguous() and g.numel() < BLAS_INT_LIMIT
+                                   for g in grads):
+        return math.fsum(list(map(routine, grads)))
     return math.fsum([torch.dot(flat, flat).item() for flat in [g if g.ndim == 1 else g.view(-1) for g in grads]])
 
 

@@ -55,7 +55,12 @@ def _state(model, trainer):
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_clean_run_matches_the_per_step_guard(fused):
+def test_clean_run_matches_the_per_step_guard(fused, monkeypatch):
+    from hybrid_trainer import blas_dots
+
+    # The per-step read through per-gradient norms (_foreach_norm), as the queued ones: with BLAS's
+    # dots past the dispatcher it reads gradients of any size by dots, whose norms agree to ~1e-6.
+    monkeypatch.setattr(blas_dots, "_ROUTINES", {})
     batches = _batches(40)
     results = {}
     states = {}
@@ -69,8 +74,9 @@ def test_clean_run_matches_the_per_step_guard(fused):
     assert [r.loss for r in results[8]] == [r.loss for r in results[1]]
     # Exactly: the queued per-gradient norms are combined on the host in float64, as the per-step
     # guard combines the ones it reads on a CPU (a device-side global norm agreed to ~1e-7 only).
-    # This model's gradients are small, so the per-step read takes _foreach_norm too; where a CPU
-    # reads large ones by dot products (read_by_dots), the device-side skip's norms agree to 1e-6.
+    # This model's gradients are small, so without BLAS's routines the per-step read takes
+    # _foreach_norm too; where a CPU reads them by dot products (read_by_dots), the device-side
+    # skip's norms agree to 1e-6.
     assert not trainer.guard._grads_by_dots
     assert [r.grad_norm for r in results[8]] == [r.grad_norm for r in results[1]]
     assert all(r.divergence == "OK" and r.settled for r in results[8] if isinstance(r, PendingStepResult))
@@ -208,10 +214,14 @@ def test_on_a_cpu_a_deferred_step_reads_as_the_per_step_guard_does():
     reads = {who: n for who, n in counter.read_backs.items() if who != "optimizer"}
     # The loss, then one norm per gradient (a square per gradient where the read takes dot
     # products, squares_by_dots) read in a list comprehension of squares_read: its own frame up
-    # to Python 3.11, inlined into the function from 3.12 (PEP 709).
+    # to Python 3.11, inlined into the function from 3.12 (PEP 709). Dots from BLAS past torch's
+    # dispatcher (blas_dots) read the gradients' memory with no tensor read-back at all.
+    from hybrid_trainer import blas_dots
+
     assert set(reads) <= {"step_guard.py:read_step_values", "step_guard.py:squares_read",
                           "step_guard.py:squares_by_dots", "step_guard.py:<listcomp>"}, reads
-    assert sum(reads.values()) == 1 + len(trainer.params), reads
+    by_blas = trainer.guard._grads_by_dots and blas_dots.self_dot_routine(trainer.params[0].dtype) is not None
+    assert sum(reads.values()) == 1 + (0 if by_blas else len(trainer.params)), reads
     assert result.loss is not None and result.grad_norm > 0 and not result.settled
 
 

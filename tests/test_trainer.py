@@ -889,16 +889,41 @@ def test_squares_by_dots_is_the_sum_of_squares_and_reports_non_finite():
         squares_by_dots([torch.randn(70, 30).t()])
 
 
-def test_dots_read_large_float_gradients_on_a_cpu_only():
+def test_squares_by_dots_gives_torch_dots_bits_with_or_without_the_blas_routine(monkeypatch):
+    """The routine past the dispatcher (blas_dots) is the one torch.dot calls: the same bits."""
+    from hybrid_trainer import blas_dots
+    from hybrid_trainer.step_guard import squares_by_dots
+
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.float64):
+        grads = [torch.randn(256, 256, dtype=dtype), torch.randn(256, dtype=dtype), torch.randn(10, 256, dtype=dtype)]
+        through_torch = math.fsum(torch.dot(g.reshape(-1), g.reshape(-1)).item() for g in grads)
+        assert squares_by_dots(grads) == through_torch
+        with monkeypatch.context() as patch:
+            patch.setattr(blas_dots, "_ROUTINES", {})
+            assert squares_by_dots(grads) == through_torch
+
+
+@pytest.mark.parametrize("blas", [True, False])
+def test_dots_read_float_gradients_on_a_cpu_only(monkeypatch, blas):
+    """With a BLAS routine called past torch's dispatcher, gradients of any size are read by dots;
+    through torch.dot, only large ones (DOTS_FROM_MEAN_NUMEL on average)."""
+    from hybrid_trainer import blas_dots
     from hybrid_trainer.step_guard import DOTS_FROM_MEAN_NUMEL, read_by_dots
 
+    if not blas:
+        monkeypatch.setattr(blas_dots, "_ROUTINES", {})
+    elif not blas_dots._ROUTINES:
+        pytest.skip("this torch build exports no verified BLAS dot routine")
     large = list(mlp(0, hidden=2048).parameters())
     assert read_by_dots(large)
-    assert not read_by_dots(list(mlp(0).parameters()))  # 1.2k entries each on average: _foreach_norm's one call
+    # 1.2k entries each on average: through torch, _foreach_norm's one call reads them for less
+    assert read_by_dots(list(mlp(0).parameters())) is blas
     assert not read_by_dots([p.detach().half() for p in large])
     assert not read_by_dots(large + [torch.zeros(3, dtype=torch.float64)])
     assert not read_by_dots([])
-    assert read_by_dots([torch.zeros(DOTS_FROM_MEAN_NUMEL)]) and not read_by_dots([torch.zeros(DOTS_FROM_MEAN_NUMEL - 1)])
+    assert read_by_dots([torch.zeros(DOTS_FROM_MEAN_NUMEL)])
+    assert read_by_dots([torch.zeros(DOTS_FROM_MEAN_NUMEL - 1)]) is blas
 
 
 @pytest.mark.parametrize("contiguous", [True, False])

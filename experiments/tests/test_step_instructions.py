@@ -15,7 +15,7 @@ def test_the_counts_become_per_step_figures_in_the_arms_order(tmp_path, monkeypa
     def fake_run(command, **kwargs):
         out = next(a for a in command if a.startswith("--callgrind-out-file=")).split("=", 1)[1]
         for i, total in enumerate((2000, 1000, 3000), 1):
-            (tmp_path / f"{out.rsplit('/', 1)[1]}.{i}").write_text(f"summary: {total}\n")
+            (tmp_path / f"{out.rsplit('/', 1)[1]}.{i}").write_text(f"events: Ir\nsummary: {total}\n")
 
         class Done:
             returncode, stderr = 0, ""
@@ -24,8 +24,8 @@ def test_the_counts_become_per_step_figures_in_the_arms_order(tmp_path, monkeypa
     monkeypatch.setattr(step_instructions.subprocess, "run", fake_run)
     arms = ["plain", "plain, no profiler scopes", "predict=False"]
     per_step = step_instructions.count("tiny", arms, 1, 10, "valgrind", tmp_path)
-    assert per_step == {"plain": 200.0, "plain, no profiler scopes": 100.0, "predict=False": 300.0}
-    (tmp_path / "callgrind.out.4").write_text("summary: 1\n")  # an extra dump: something else called getpgrp
+    assert per_step == {"plain": {"Ir": 200.0}, "plain, no profiler scopes": {"Ir": 100.0}, "predict=False": {"Ir": 300.0}}
+    (tmp_path / "callgrind.out.4").write_text("events: Ir\nsummary: 1\n")  # an extra dump: something else called getpgrp
     with pytest.raises(RuntimeError, match="one callgrind dump per arm"):
         step_instructions.count("tiny", arms, 1, 10, "valgrind", tmp_path)
 
@@ -43,3 +43,23 @@ def test_the_report_gives_each_arm_over_the_plain_loop_and_over_the_lean_one():
 def test_the_step_counts_are_checked():
     with pytest.raises(SystemExit):
         step_instructions.main(["--steps", "0"])
+
+
+def test_cache_events_are_read_by_name_and_give_valgrinds_cycle_estimate():
+    dump = "events: Ir Dr Dw I1mr D1mr D1mw ILmr DLmr DLmw\nsummary: 1000 400 100 10 20 5 1 2 3\n"
+    events = step_instructions.counted_events(dump)
+    assert events == dict(Ir=1000, Dr=400, Dw=100, I1mr=10, D1mr=20, D1mw=5, ILmr=1, DLmr=2, DLmw=3)
+    assert step_instructions.cycle_estimate(events) == 1000 + 10 * 35 + 100 * 6
+    with pytest.raises(ValueError, match="events"):
+        step_instructions.counted_events("summary: 5\n")
+
+
+def test_the_report_with_the_cache_simulation_adds_misses_and_the_estimate_over_the_plain_loop():
+    cache = dict(Ir=0, I1mr=1, D1mr=1, D1mw=0, ILmr=0, DLmr=0, DLmw=0)
+    events = {"plain": dict(cache, Ir=1000.0), "predict=False": dict(cache, Ir=1100.0, DLmr=1)}
+    result = dict(model="tiny", warmup=1, steps=10, per_step={arm: e["Ir"] for arm, e in events.items()},
+                  events=events)
+    meta = dict(command="c", date="d", git_commit="abc", git_dirty=False, torch="2")
+    text = step_instructions.report(result, meta)
+    assert "| predict=False | 1,100 | +100 | – | 2 | 1 | 1,220 | +200 |" in text
+    assert "| plain | 1,000 | +0 | – | 2 | 0 | 1,020 | +0 |" in text
