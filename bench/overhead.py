@@ -285,6 +285,9 @@ def make_workload(name: str, n_batches: int, device: torch.device) -> Workload:
 # skip on the device, so that a GPU step reads nothing back; hybrid_trainer.deferred_checks).
 # An environment variable, so that the arms' processes and the memory children get it too.
 FUSED_ENV = "HYBRID_BENCH_FUSED_ADAMW"
+# Set, it takes hybrid_trainer.blas_dots's BLAS routines away in every arm (the guard's dots go
+# through torch.dot, as before that module): recorded in the result's command, which it changes.
+TORCH_DOTS_ENV = "HYBRID_TRAINER_TORCH_DOTS"
 
 
 def adamw_options() -> dict[str, Any]:
@@ -1643,6 +1646,8 @@ def main(argv: list[str] | None = None) -> int:
     explore_steps = args.explore_steps if args.explore_steps is not None else (40 if args.quick else 400)
     memory_steps = args.memory_steps if args.memory_steps is not None else (30 if args.quick else 120)
     command = "python -m bench.overhead " + shlex.join(sys.argv[1:] if argv is None else argv)
+    if os.environ.get(TORCH_DOTS_ENV) == "1":  # the guard's reads through torch.dot (hybrid_trainer.blas_dots)
+        command = f"{TORCH_DOTS_ENV}=1 {command}"
     meta = run_metadata(command)
     results: dict[str, Any] = dict(meta, git=dict(commit=meta["git_commit"], dirty=meta["git_dirty"]), device=str(device),
                                    gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
