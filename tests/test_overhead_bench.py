@@ -351,6 +351,13 @@ def test_quick_run_reports_every_arm_with_ratios_from_its_measurements(tmp_path,
     assert b["own_over_plain_us"] == pytest.approx(b["own_us"] - b["plain_own_us"])
     assert b["plain_own_us"] == pytest.approx(b["plain_step_us"] - sum(
         b["plain_parts_us"][k] for k in ("model forward", "backward", "optimizer step")))
+    # A run made with the guard's dots through torch.dot (hybrid_trainer.blas_dots) says so in
+    # the command it records, which it changes.
+    monkeypatch.setenv(overhead.TORCH_DOTS_ENV, "1")
+    assert overhead.main(["--quick", "--models", "tiny", "--warmup", "3", "--breakdown-only", "--breakdown-steps", "3",
+                          "--out", str(tmp_path)]) == 0
+    command = json.loads((tmp_path / "overhead_quick.json").read_text())["models"]["tiny"]["breakdown"]["run"]["command"]
+    assert command.startswith("HYBRID_TRAINER_TORCH_DOTS=1 python -m bench.overhead --quick"), command
 
 
 def test_arms_times_only_the_named_arms_and_keeps_the_rest_against_their_own_plain_loop(tmp_path, monkeypatch):
