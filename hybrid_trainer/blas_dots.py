@@ -6,15 +6,18 @@ Why: the value is the same call either way. ``torch.dot`` on a contiguous float3
 vector ends in BLAS's ``sdot`` (``ddot``), MKL's in torch's x86 builds, which export it from
 ``libtorch_cpu``. Around that call, ``torch.dot(g, g).item()`` parses its Python arguments,
 passes autograd's wrapper, allocates a 0-d result, reads it back and frees it, and a matrix
-needs a ``view(-1)`` first: ~2.5-4 µs a gradient on this project's CI host, against ~0.5 µs for
-calling the routine here. On the 1 ms MLP (six gradients) the read took 29 µs hot against 19 µs
-(``python -m bench.overhead``'s breakdown, and tests/test_blas_dots.py for the values). In a
-training step, where the step's tensors have pushed the dispatcher's code out of the caches,
-the gap is wider (docs/trainer.md, "The gradient read without torch's dispatcher").
+needs a ``view(-1)`` first: ~1.7-2.7 µs a gradient (and 1.5 µs a view) on this project's CI
+host, against ~1 µs for calling the routine here through ``ctypes``. On the 1 ms MLP (six
+gradients) the read took 29 µs against 19 µs in a hot loop. In a training step, whose tensors
+push the dispatcher's code out of the first-level caches, the gap is wider: Valgrind's cache
+simulation put the trainer's cost over the plain loop at +262k estimated cycles a step with the
+dots through torch and +136k with them here (``python -m experiments.step_instructions --model
+mlp-1ms --cache-sim``; docs/trainer.md, "The gradient read past torch's dispatcher").
+tests/test_blas_dots.py holds the values to torch.dot's bits.
 
-When: there is no routine, and callers use ``torch.dot``, unless ``libtorch_cpu`` exports
-``sdot_`` and ``ddot_`` and both give, on probe vectors, the very bits ``torch.dot`` gives
-(:func:`_verified`). A BLAS built with 64-bit integers (ILP64) reads the length and stride from
+When: only where ``libtorch_cpu`` exports ``sdot_`` and ``ddot_`` and both give, on probe
+vectors, the very bits ``torch.dot`` gives (:func:`_verified`); elsewhere there is no routine and
+the callers use ``torch.dot``. A BLAS built with 64-bit integers (ILP64) reads the length and stride from
 the same 8-byte integers as one with 32-bit integers (LP64) on a little-endian host, where the low
 half comes first; other hosts are not probed. :func:`self_dot_routine` takes only what the routine can:
 a contiguous dense CPU tensor of one of those dtypes with fewer than 2**31 entries (:func:`takes`).
