@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from .anchor import buffer_slots
-from .blas_dots import INT_LIMIT as BLAS_INT_LIMIT, self_dot_routine
+from .blas_dots import self_dot_routine, takes as blas_takes
 from .distributed import unwrap
 from .int8_direction import block_count
 from .state_registry import check_trains_what_was_saved, without_ddp_prefix
@@ -92,7 +92,7 @@ def _all_finite_on_cpu(tensors: list[torch.Tensor]) -> bool:
         if t.ndim == 0:
             value = t.item()
         else:
-            routine = self_dot_routine(t.dtype) if t.is_cpu and t.is_contiguous() and t.numel() < BLAS_INT_LIMIT else None
+            routine = self_dot_routine(t.dtype) if blas_takes(t) else None
             if routine is not None:
                 value = routine(t)  # reads the bytes only: no autograd, so no detach needed
             else:
