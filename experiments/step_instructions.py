@@ -17,6 +17,14 @@ code the timing benchmark steps), plus the compact guard of :mod:`experiments.co
   away while it is built and stepped, so that its dots go through ``torch.dot`` (the trainer
   before that module).
 
+``--as-on-gpu`` steps every arm as a GPU would, on the CPU: ``AdamW(fused=True)`` in every arm
+(``bench.overhead --fused-adamw``) and the trainer's guard told that reads wait for the device
+(``step_guard.reads_are_free`` false), so that ``predict=False`` takes the path it takes there:
+its checks queued and read every 16 steps, the update skipped on the device when a value is
+not finite (:mod:`hybrid_trainer.deferred_checks`). The tensor work is the CPU's; the Python
+and the number of ops around it are the GPU step's host work, which a GPU's step pays in full
+wherever its host, not the device, sets the pace (docs/gpu.md).
+
 ``--cache-sim`` also simulates the caches (Valgrind's ``--cache-sim=yes``: first-level
 instruction and data caches and the last level) and adds their misses and Valgrind's own
 cycle estimate, ``Ir + 10 (L1 misses) + 100 (last-level misses)`` (callgrind_annotate's
@@ -85,11 +93,16 @@ def cycle_estimate(events: dict[str, float]) -> float:
     return events["Ir"] + 10 * first + 100 * last
 
 
-def step_arms(model: str, arms: list[str], warmup: int, steps: int) -> None:
+def step_arms(model: str, arms: list[str], warmup: int, steps: int, as_on_gpu: bool = False) -> None:
     """The child under valgrind: each arm of ``arms`` on ``model``, ``warmup`` steps and then
     ``steps`` counted ones between ``os.getppid()`` (counts zeroed) and ``os.getpgrp()`` (counts
-    written)."""
+    written); with ``as_on_gpu``, the trainer's guard built as on a GPU (module docstring)."""
     import torch
+
+    if as_on_gpu:
+        from hybrid_trainer import step_guard
+
+        step_guard.reads_are_free = lambda device: False
 
     from bench.overhead import _arm_step, make_workload
     from experiments.compact_guard import compact_guard_step
@@ -104,10 +117,12 @@ def step_arms(model: str, arms: list[str], warmup: int, steps: int) -> None:
         # This arm only: no routine past the dispatcher, so its reads call torch.dot.
         blas_dots._ROUTINES.clear()
         blas_dots._ROUTINES.update({} if arm == "predict=False, torch dots" else routines)
-        step = (compact_guard_step(workload)[0] if arm == "compact guard"
-                else _arm_step(arm.removesuffix(", torch dots"), workload, torch.device("cpu"))[0])
+        step, trainer = ((compact_guard_step(workload)[0], None) if arm == "compact guard"
+                         else _arm_step(arm.removesuffix(", torch dots"), workload, torch.device("cpu"))[:2])
         for i in range(warmup):
             step(batches[i % len(batches)])
+        if as_on_gpu and trainer is not None and not trainer.guard.defers():
+            raise RuntimeError(f"{arm}: the trainer does not defer its checks after {warmup} steps, as on a GPU")
         os.getppid()
         for i in range(warmup, warmup + steps):
             step(batches[i % len(batches)])
@@ -115,15 +130,21 @@ def step_arms(model: str, arms: list[str], warmup: int, steps: int) -> None:
 
 
 def count(model: str, arms: list[str], warmup: int, steps: int, valgrind: str, scratch: Path,
-          cache_sim: bool = False) -> dict[str, dict[str, float]]:
+          cache_sim: bool = False, as_on_gpu: bool = False) -> dict[str, dict[str, float]]:
     """Events per counted step of every arm (instructions ``Ir``, and with ``cache_sim`` the
-    simulated cache misses), from one valgrind process."""
+    simulated cache misses), from one valgrind process (``as_on_gpu``: module docstring)."""
+    from bench.overhead import FUSED_ENV
+
     out = scratch / "callgrind.out"
     command = [valgrind, "--tool=callgrind", f"--cache-sim={'yes' if cache_sim else 'no'}",
                "--zero-before=getppid", "--dump-before=getpgrp",
                f"--callgrind-out-file={out}", sys.executable, "-m", "experiments.step_instructions",
-               "--model", model, "--warmup", str(warmup), "--steps", str(steps), "--child", "--arms", *arms]
+               "--model", model, "--warmup", str(warmup), "--steps", str(steps), "--child", "--arms", *arms,
+               *(["--as-on-gpu"] if as_on_gpu else [])]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONHASHSEED="0")  # the same hashing on every run
+    env.pop(FUSED_ENV, None)
+    if as_on_gpu:
+        env[FUSED_ENV] = "1"  # every arm's AdamW fused (bench.overhead.adamw_options)
     done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[1])
     if done.returncode != 0:
         raise RuntimeError(f"valgrind's child failed ({done.returncode}): {done.stderr[-800:]}")
@@ -139,7 +160,9 @@ def report(result: dict[str, Any], meta: dict[str, Any]) -> str:
     arms = result["per_step"]
     events = result.get("events")
     plain, lean = arms.get("plain"), arms.get("plain, no profiler scopes")
-    lines = [f"Machine instructions per step (CPU, {result['model']}), `{meta['command']}` ({meta['date']}, "
+    as_gpu = (" stepped as on a GPU (fused AdamW in every arm, the trainer's checks read every 16 steps)"
+              if result.get("as_on_gpu") else "")
+    lines = [f"Machine instructions per step (CPU, {result['model']}{as_gpu}), `{meta['command']}` ({meta['date']}, "
              f"commit {str(meta['git_commit'])[:10]}{' (dirty tree)' if meta['git_dirty'] else ''}, torch "
              f"{meta['torch']}): each arm's instructions over {result['steps']} steps counted by Valgrind's "
              f"callgrind after {result['warmup']} uncounted ones, all arms in one process, in this order.", ""]
@@ -168,13 +191,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=200, help="counted steps per arm")
     parser.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS), choices=ARMS)
     parser.add_argument("--cache-sim", action="store_true", help="simulate the caches too (several times slower)")
+    parser.add_argument("--as-on-gpu", action="store_true",
+                        help="fused AdamW, and the trainer's guard built as on a GPU (its checks deferred)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # the process under valgrind
     args = parser.parse_args(argv)
     if args.warmup < 0 or args.steps < 1:
         parser.error(f"--warmup >= 0 and --steps >= 1, got {args.warmup} and {args.steps}")
     if args.child:
-        step_arms(args.model, args.arms, args.warmup, args.steps)
+        step_arms(args.model, args.arms, args.warmup, args.steps, args.as_on_gpu)
         return
     valgrind = shutil.which("valgrind")
     if valgrind is None:
@@ -185,13 +210,15 @@ def main(argv: list[str] | None = None) -> None:
     meta = run_metadata("python -m experiments.step_instructions " + shlex.join(sys.argv[1:] if argv is None else argv))
     print(f"{len(args.arms)} arms of {args.model} under callgrind (minutes: Valgrind runs ~50-100x slower)", flush=True)
     with tempfile.TemporaryDirectory() as scratch:
-        events = count(args.model, args.arms, args.warmup, args.steps, valgrind, Path(scratch), args.cache_sim)
-    result = dict(model=args.model, warmup=args.warmup, steps=args.steps,
+        events = count(args.model, args.arms, args.warmup, args.steps, valgrind, Path(scratch), args.cache_sim,
+                       args.as_on_gpu)
+    result = dict(model=args.model, warmup=args.warmup, steps=args.steps, as_on_gpu=args.as_on_gpu,
                   per_step={arm: e["Ir"] for arm, e in events.items()})
     if args.cache_sim:
         result["events"] = events
         result["cycle_estimate"] = {arm: cycle_estimate(e) for arm, e in events.items()}
-    name = f"step_instructions_{args.model}" + ("_cache" if args.cache_sim else "")
+    name = (f"step_instructions_{args.model}" + ("_as_on_gpu" if args.as_on_gpu else "")
+            + ("_cache" if args.cache_sim else ""))
     write_results(args.out, name, dict(meta=meta, result=result), report(result, meta))
 
 

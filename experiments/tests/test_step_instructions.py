@@ -63,3 +63,52 @@ def test_the_report_with_the_cache_simulation_adds_misses_and_the_estimate_over_
     text = step_instructions.report(result, meta)
     assert "| predict=False | 1,100 | +100 | – | 2 | 1 | 1,220 | +200 |" in text
     assert "| plain | 1,000 | +0 | – | 2 | 0 | 1,020 | +0 |" in text
+
+
+def test_as_on_gpu_the_child_gets_the_flag_and_fused_adamw_and_otherwise_neither(tmp_path, monkeypatch):
+    from bench.overhead import FUSED_ENV
+
+    seen = []
+
+    def fake_run(command, env, **kwargs):
+        seen.append((command, env))
+        out = next(a for a in command if a.startswith("--callgrind-out-file=")).split("=", 1)[1]
+        (tmp_path / f"{out.rsplit('/', 1)[1]}.1").write_text("events: Ir\nsummary: 10\n")
+
+        class Done:
+            returncode, stderr = 0, ""
+        return Done()
+
+    monkeypatch.setattr(step_instructions.subprocess, "run", fake_run)
+    monkeypatch.setenv(FUSED_ENV, "1")  # left over in the caller's environment: not passed on unasked
+    step_instructions.count("tiny", ["plain"], 1, 10, "valgrind", tmp_path)
+    (tmp_path / "callgrind.out.1").unlink()
+    step_instructions.count("tiny", ["plain"], 1, 10, "valgrind", tmp_path, as_on_gpu=True)
+    (plain_command, plain_env), (gpu_command, gpu_env) = seen
+    assert "--as-on-gpu" not in plain_command and FUSED_ENV not in plain_env
+    assert gpu_command[-1] == "--as-on-gpu" and gpu_env[FUSED_ENV] == "1"
+
+
+def test_as_on_gpu_the_trainer_defers_its_checks_with_fused_adamw_or_the_child_refuses(monkeypatch):
+    import torch
+    from bench.overhead import FUSED_ENV
+    from hybrid_trainer import step_guard
+
+    monkeypatch.setattr(step_guard, "reads_are_free", step_guard.reads_are_free)  # restored after the test
+    monkeypatch.setenv(FUSED_ENV, "1")
+    built = []
+    import bench.overhead
+
+    real_arm_step = bench.overhead._arm_step
+
+    def arm_step(*args, **kwargs):
+        built.append(real_arm_step(*args, **kwargs))
+        return built[-1]
+    monkeypatch.setattr(bench.overhead, "_arm_step", arm_step)
+    step_instructions.step_arms("tiny", ["predict=False"], warmup=3, steps=1, as_on_gpu=True)
+    trainer = built[0][1]
+    assert trainer.guard.defers() and trainer.guard.deferred.every == 16 and trainer.guard.deferred.pending
+    assert all(group["fused"] for group in trainer.optimizer.param_groups)
+    assert not step_guard.reads_are_free(torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="does not defer"):  # no good state yet before the first step
+        step_instructions.step_arms("tiny", ["predict=False"], warmup=0, steps=1, as_on_gpu=True)
