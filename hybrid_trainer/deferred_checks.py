@@ -42,6 +42,7 @@ included (as under a GradScaler).
 from __future__ import annotations
 
 import math
+from itertools import chain
 from typing import Any
 
 import torch
@@ -148,12 +149,16 @@ class DeferredChecks:
             return []
         pending, self.pending = self.pending, []
         # Queued on the device: a list of 0-d tensors (launch); read already: a (loss, norm) tuple.
-        on_device = [t for _, v, _ in pending if isinstance(v, list) for t in v]
-        read = iter(torch.stack(on_device).tolist()) if on_device else iter(())  # the block's one read
-        values = []
+        # Each step's values are a slice of the one read: per value, a Python loop would cost a
+        # step of a model with many tensors more than all its other bookkeeping.
+        on_device = [v for _, v, _ in pending if isinstance(v, list)]
+        read = torch.stack(list(chain.from_iterable(on_device))).tolist() if on_device else []  # the block's one read
+        values, start = [], 0
         for result, value, has_norm in pending:
             if isinstance(value, list):  # [loss, n_1, ..., n_k]: k from the queued list
-                loss_value, norm_value = next(read), global_norm([next(read) for _ in range(len(value) - 1)])
+                end = start + len(value)
+                loss_value, norm_value = read[start], global_norm(read[start + 1:end])
+                start = end
             else:
                 loss_value, norm_value = value
             norm_value = norm_value if has_norm and math.isfinite(loss_value) else None
