@@ -123,15 +123,18 @@ def count_arm(task, arm: str, warmup: int, steps: int, lr: float) -> dict:
 
 @contextlib.contextmanager
 def _reads_wait_for_the_device():
-    """The trainer's guard as on a GPU, whose reads wait for the device (see the module docstring)."""
-    from hybrid_trainer import step_guard
+    """The trainer's guard as on a GPU, whose reads wait for the device (see the module
+    docstring), and its good state's finiteness check as on a GPU (one multi-tensor norm for
+    every tensor, where a CPU takes one ``aminmax`` per tensor)."""
+    from hybrid_trainer import resume_check, step_guard
 
-    free = step_guard.reads_are_free
+    free, multi_tensor = step_guard.reads_are_free, resume_check._multi_tensor_norm_pays
     step_guard.reads_are_free = lambda device: False
+    resume_check._multi_tensor_norm_pays = lambda device: True
     try:
         yield
     finally:
-        step_guard.reads_are_free = free
+        step_guard.reads_are_free, resume_check._multi_tensor_norm_pays = free, multi_tensor
 
 
 def _count_arm(task, arm: str, warmup: int, steps: int, lr: float) -> dict:

@@ -39,3 +39,12 @@ def test_read_backs_are_counted_for_item_and_tolist():
         x.tolist()
     assert sum(host.read_backs.values()) == 2
     assert torch.Tensor.tolist is not None and x.tolist() == x.tolist()  # unwrapped again
+
+
+def test_arms_are_counted_with_the_guard_and_the_snapshot_check_as_on_a_gpu_and_put_back_after():
+    from hybrid_trainer import resume_check, step_guard
+
+    cpu = torch.device("cpu")
+    with host_ops._reads_wait_for_the_device():
+        assert not step_guard.reads_are_free(cpu) and resume_check._multi_tensor_norm_pays(cpu)
+    assert step_guard.reads_are_free(cpu) and not resume_check._multi_tensor_norm_pays(cpu)
