@@ -94,7 +94,8 @@ class DeferredChecks:
         fused loop (``python -m bench.host_ops``). A non-finite gradient makes its own norm
         non-finite, so the device-side flag sees it; finite norms whose squares overflow
         float32 do not read as non-finite there, and the monitor judges their global norm."""
-        values = [loss.float(), *([] if norms is None else norms)]
+        # ``float()`` of a float32 loss returns it, but only after a call through the dispatcher.
+        values = [loss if loss.dtype is torch.float32 else loss.float(), *([] if norms is None else norms)]
         optimizer = guard.optimizer
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             found = self._found_flag(loss.device)
