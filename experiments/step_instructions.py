@@ -21,7 +21,9 @@ code the timing benchmark steps), plus the compact guard of :mod:`experiments.co
 (``bench.overhead --fused-adamw``) and the trainer's guard told that reads wait for the device
 (``step_guard.reads_are_free`` false), so that ``predict=False`` takes the path it takes there:
 its checks queued and read every 16 steps, the update skipped on the device when a value is
-not finite (:mod:`hybrid_trainer.deferred_checks`). The tensor work is the CPU's; the Python
+not finite (:mod:`hybrid_trainer.deferred_checks`), and the good state's finiteness check one
+multi-tensor norm of every tensor (``resume_check._multi_tensor_norm_pays``), as
+``bench.host_ops`` counts them. The tensor work is the CPU's; the Python
 and the number of ops around it are the GPU step's host work, which a GPU's step pays in full
 wherever its host, not the device, sets the pace (docs/gpu.md).
 
@@ -100,9 +102,10 @@ def step_arms(model: str, arms: list[str], warmup: int, steps: int, as_on_gpu: b
     import torch
 
     if as_on_gpu:
-        from hybrid_trainer import step_guard
+        from hybrid_trainer import resume_check, step_guard
 
         step_guard.reads_are_free = lambda device: False
+        resume_check._multi_tensor_norm_pays = lambda device: True
 
     from bench.overhead import _arm_step, make_workload
     from experiments.compact_guard import compact_guard_step

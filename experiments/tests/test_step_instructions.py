@@ -94,7 +94,10 @@ def test_as_on_gpu_the_trainer_defers_its_checks_with_fused_adamw_or_the_child_r
     from bench.overhead import FUSED_ENV
     from hybrid_trainer import step_guard
 
+    from hybrid_trainer import resume_check
+
     monkeypatch.setattr(step_guard, "reads_are_free", step_guard.reads_are_free)  # restored after the test
+    monkeypatch.setattr(resume_check, "_multi_tensor_norm_pays", resume_check._multi_tensor_norm_pays)
     monkeypatch.setenv(FUSED_ENV, "1")
     built = []
     import bench.overhead
@@ -110,5 +113,6 @@ def test_as_on_gpu_the_trainer_defers_its_checks_with_fused_adamw_or_the_child_r
     assert trainer.guard.defers() and trainer.guard.deferred.every == 16 and trainer.guard.deferred.pending
     assert all(group["fused"] for group in trainer.optimizer.param_groups)
     assert not step_guard.reads_are_free(torch.device("cpu"))
+    assert resume_check._multi_tensor_norm_pays(torch.device("cpu"))
     with pytest.raises(RuntimeError, match="does not defer"):  # no good state yet before the first step
         step_instructions.step_arms("tiny", ["predict=False"], warmup=0, steps=1, as_on_gpu=True)
