@@ -71,9 +71,9 @@ def _finite_flags(tensors: list[torch.Tensor]) -> list[bool]:
     """Per tensor, whether every entry is finite: one host read per device. On a CPU each
     tensor's minimum and maximum; elsewhere every tensor's max-abs norm from one multi-tensor
     op (finite exactly when every entry is, without overflow), stacked and read once: a snapshot
-    of the char-LM's 40 weights and their AdamW state is some 160 tensors, and the views, casts
-    and detaches per tensor that made each one's flag the CPU's shape were ~5 host ops a
-    tensor, each a dispatcher call on the GPU's host every ``good_state_every`` steps."""
+    of the char-LM's 40 weights and their AdamW state is some 160 tensors, and the detach, two
+    views and cast per tensor that gave each one's flag the CPU's shape were 3-4 dispatcher
+    calls a tensor on the GPU's host every ``good_state_every`` steps."""
     by_device: dict[torch.device, list[int]] = {}
     for index, t in enumerate(tensors):
         by_device.setdefault(t.device, []).append(index)

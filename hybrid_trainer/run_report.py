@@ -4,8 +4,8 @@ human-readable summary (:func:`format_summary`)."""
 from __future__ import annotations
 
 import math
-from operator import mul
 from dataclasses import asdict, dataclass, field
+from operator import mul
 from typing import Any
 
 import torch

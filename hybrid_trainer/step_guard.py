@@ -306,8 +306,8 @@ class StepGuard:
         :mod:`~hybrid_trainer.deferred_checks` queues them: one multi-tensor check takes them
         all only in one dtype."""
         if self.config.grad_clip is None and self._grads_uniform:
-            # Each gradient read once: ``p.grad`` is a getter call (~0.1 µs), twice per tensor
-            # was a tenth of the step's bookkeeping on the char-LM's 40 tensors.
+            # Each gradient read once: ``p.grad`` is a getter call, and for 40 tensors (the
+            # char-LM's) the list took 6.3 µs reading each twice, 3.8 µs once (timeit, one core).
             grads = [g for p in self.params if (g := p.grad) is not None]
             if not grads:
                 return None
