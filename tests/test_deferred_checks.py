@@ -114,6 +114,23 @@ def test_between_reads_a_fused_step_adds_the_norms_and_one_check_and_no_stack_or
     assert collections.Counter(counter.ops)["stack"] == 1
 
 
+def test_between_reads_the_buffers_are_chosen_on_the_device_with_one_op_each():
+    """With batch norm (3 buffers) each fused step keeps them with one multi-tensor copy before
+    its forward and puts them back where its skip flag says, one in-place ``where`` a buffer:
+    on a GPU every op is a launch on every step."""
+    batches = _batches(48)
+    _, trainer = _make(16, fused=True, batch_norm=True)
+    done = _steps_until_a_read(trainer, batches)
+    assert len(trainer.guard.buffers_before.slots) == 3
+    counter = HostOps()
+    with counter:
+        for b in batches[done:done + 15]:  # no read due among them
+            trainer.step(b)
+    ops = collections.Counter(counter.ops)
+    assert ops["where"] == 3 * 15 and ops["_foreach_copy_"] == 15, ops
+    assert ops["copy_"] == 0, ops
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_non_finite_steps_are_skipped_exactly_as_per_step(fused):
     """A NaN batch (through batch-norm statistics too) and a NaN gradient with a finite loss: skipped
