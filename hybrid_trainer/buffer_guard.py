@@ -12,7 +12,11 @@ for a model with some (``python -m bench.buffer_guard`` measures both).
 """
 from __future__ import annotations
 
+from operator import attrgetter
+
 import torch
+
+_LAYOUT = attrgetter("shape", "dtype", "device")
 
 
 class BufferGuard:
@@ -26,6 +30,7 @@ class BufferGuard:
     def __init__(self, slots: list[tuple[torch.nn.Module, str]]):
         self.slots = list(slots)
         self._saved: list[torch.Tensor] = []
+        self._layout: list[tuple[torch.Size, torch.dtype, torch.device]] = []  # of the buffers _saved copies
         self._taken = False
 
     @property
@@ -39,11 +44,13 @@ class BufferGuard:
         if not self.slots:
             return
         buffers = [owner._buffers[name] for owner, name in self.slots]
-        saved = self._saved
-        if len(saved) != len(buffers) or any(s.shape != b.shape or s.dtype != b.dtype or s.device != b.device
-                                             for s, b in zip(saved, buffers)):
-            self._saved = saved = [torch.empty_like(b) for b in buffers]
-        torch._foreach_copy_(saved, buffers)
+        # The copies are remade only when a buffer's shape, dtype or device changed. The layouts
+        # are read and compared in C (attrgetter, list equality): a generator comparing them pair
+        # by pair took 8.1 µs for 12 buffers against 5.0 (timeit, one core), on every step.
+        layout = list(map(_LAYOUT, buffers))
+        if layout != self._layout:
+            self._saved, self._layout = [torch.empty_like(b) for b in buffers], layout
+        torch._foreach_copy_(self._saved, buffers)
         self._taken = True
 
     def restore(self) -> None:

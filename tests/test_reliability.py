@@ -346,6 +346,26 @@ def test_buffer_guard_restores_a_buffer_the_forward_reassigned():
     assert not BufferGuard(buffer_slots(torch.nn.Linear(2, 2))).active
 
 
+def test_buffer_guard_copies_a_buffer_again_when_its_shape_or_dtype_changed_between_steps():
+    from hybrid_trainer.anchor import buffer_slots
+    from hybrid_trainer.buffer_guard import BufferGuard
+
+    model = torch.nn.BatchNorm1d(3)
+    guard = BufferGuard(buffer_slots(model))
+    guard.before_forward()
+    first = list(guard._saved)
+    guard.before_forward()
+    assert all(a is b for a, b in zip(first, guard._saved))  # same layout: the same copies, refreshed
+    model.running_mean = torch.arange(5.0)  # reassigned with another shape
+    model.running_var = torch.ones(3, dtype=torch.float64)  # and another dtype
+    guard.before_forward()
+    model.running_mean.fill_(math.nan)
+    model.running_var.fill_(math.nan)
+    guard.restore()
+    assert torch.equal(model.running_mean, torch.arange(5.0))
+    assert model.running_var.dtype == torch.float64 and torch.equal(model.running_var, torch.ones(3, dtype=torch.float64))
+
+
 def test_save_refuses_to_write_non_finite_buffers(stream, tmp_path):
     trainer = make_trainer(predict=False)  # the batch-norm MLP
     for b in stream[:3]:
