@@ -8,7 +8,8 @@ weights' progress since; the statistics from just before the forward are the exa
 must leave, and they are small (two vectors per normalised layer), so a copy per step is cheap.
 
 Cost: nothing for a model without buffers (a length check); one ``torch._foreach_copy_`` over the buffers
-for a model with some (``python -m bench.buffer_guard`` measures both).
+for a model with some (``python -m bench.buffer_guard`` measures both), and on a step whose checks wait
+(:mod:`~hybrid_trainer.deferred_checks`) one in-place ``where`` a buffer after its update.
 """
 from __future__ import annotations
 
