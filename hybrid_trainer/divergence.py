@@ -259,6 +259,9 @@ class DivergenceMonitor:
         self.counts: dict[str, int] = {kind: 0 for kind in REASON_KINDS}
         self.refused_in_a_row = 0  # refused steps since the last accepted one (record_refusal)
         self._remembered: tuple | None = None  # the window at the last good state (remember_window)
+        # A rollback rewound the window and no good state has been taken since: a guard that
+        # reads its checks once per block reads them every step meanwhile (StepGuard.defers).
+        self.rewound = False
         # (loss ceiling, grad-norm floor, grad-norm ceiling) inside which a step is surely quiet
         # against the window as it is; None when the window changed since (_quiet_bounds).
         self._bounds: tuple[float, float, float] | None = None
@@ -327,6 +330,7 @@ class DivergenceMonitor:
         with :meth:`rewind_window`: the trainer calls it when it snapshots its last good state."""
         self._remembered = (list(self._losses), list(self._sign_changes), self._last_difference,
                             list(self._grad_norms))
+        self.rewound = False
 
     def rewind_window(self) -> None:
         """Go back to the history kept by :meth:`remember_window` (after a rollback to the good state it was
@@ -336,6 +340,7 @@ class DivergenceMonitor:
         the trajectory just rolled back to is the one the remembered statistics describe, so they judge the
         next steps as well as they judged the steps before the spike. A second spike right after a rollback
         is then refused like the first (with an empty history it was accepted)."""
+        self.rewound = True
         if self._remembered is None:
             self.reset_window()
             return
@@ -645,6 +650,7 @@ class DivergenceMonitor:
             "grad_norms": list(self._grad_norms),
             "counts": dict(self.counts),
             "refused_in_a_row": self.refused_in_a_row,
+            "rewound": self.rewound,
             "remembered": None if self._remembered is None else {
                 "losses": list(self._remembered[0]), "sign_changes": list(self._remembered[1]),
                 "last_difference": self._remembered[2], "grad_norms": list(self._remembered[3]),
@@ -692,6 +698,9 @@ class DivergenceMonitor:
         refused = state.get("refused_in_a_row", 0)
         if not isinstance(refused, int) or isinstance(refused, bool) or refused < 0:
             raise ValueError(f"state['refused_in_a_row'] must be a non-negative integer, got {refused!r}")
+        rewound = state.get("rewound", False)
+        if not isinstance(rewound, bool):
+            raise ValueError(f"state['rewound'] must be a bool, got {rewound!r}")
         remembered = state.get("remembered")
         if remembered is not None:
             if not isinstance(remembered, dict) or \
@@ -711,3 +720,4 @@ class DivergenceMonitor:
         self.counts = {kind: int(counts.get(kind, 0)) for kind in REASON_KINDS}
         self.refused_in_a_row = refused
         self._remembered = remembered
+        self.rewound = rewound

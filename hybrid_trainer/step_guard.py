@@ -276,8 +276,13 @@ class StepGuard:
     def defers(self) -> bool:
         """Whether this step's checks may wait for the next read (``read_every`` > 1; not under a
         GradScaler, which decides its own skip; not before a good state exists, since a spike
-        found later goes back to it). The trainer adds its own conditions (prediction off)."""
-        return self.deferred is not None and self.scaler is None and self.good_state.is_set
+        found later goes back to it; not from a rollback until the next good state is taken:
+        a refused step found at a block's read also discards the block's later steps, and
+        refusals come in runs, so after one each step is read as it comes, at one read a step,
+        until a good state is taken again). The trainer adds its own conditions (prediction
+        off)."""
+        return (self.deferred is not None and self.scaler is None and self.good_state.is_set
+                and not self.monitor.rewound)
 
     def snapshot_if_due(self, step: int) -> None:
         """After a block of deferred steps judged healthy: take the good state when

@@ -186,6 +186,35 @@ def test_a_spike_goes_back_to_the_good_state_and_discards_the_steps_after_it():
     assert_same_state(trainer.optimizer.state_dict(), again.optimizer.state_dict())
 
 
+def test_after_a_rollback_each_step_is_read_until_the_next_good_state_then_blocks_again():
+    # A refused step found at a block's read discards the block's later steps too, and
+    # refusals come in runs: from a rollback until a good state is taken, steps are read one
+    # by one, so a second alarm in that stretch costs its own step, not a block.
+    batches = _batches(80)
+    model, trainer = _make(8, good_state_every=6)
+    done = _steps_until_a_read(trainer, batches)
+    done += _steps_until_a_read(trainer, batches[done:])
+    spike_at = done + 2
+    batches[spike_at] = (batches[spike_at][0] * 1e4, batches[spike_at][1])
+    for b in batches[done:done + 8]:  # the 8th brings the read, and the rollback
+        trainer.step(b)
+    assert trainer.stats.divergence_rollbacks == 1 and trainer.monitor.rewound and not trainer.guard.defers()
+    good_step = trainer.good_state.step
+    second = done + 9
+    batches[second] = (batches[second][0] * 1e4, batches[second][1])  # another alarm in the stretch
+    results = []
+    for b in batches[done + 8:]:
+        results.append(trainer.step(b))
+        if trainer.good_state.step != good_step:
+            break
+    assert not any(isinstance(r, PendingStepResult) for r in results)  # judged as they came
+    refused = [r for r in results if r.skipped]
+    assert len(refused) == 1 and refused[0].step == second and refused[0].rolled_back
+    assert trainer.stats.skipped_steps == 6 + 1  # the first block's 6, then only the one step
+    assert not trainer.monitor.rewound and trainer.guard.defers()  # a good state again: blocks again
+    assert isinstance(trainer.step(batches[-1]), PendingStepResult)
+
+
 def _right_after_a_read(fused):
     """A read_every=16 trainer that has just read, its batches, and how many it used."""
     batches = _batches(48)

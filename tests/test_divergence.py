@@ -147,6 +147,25 @@ def test_rewind_window_goes_back_to_the_remembered_history():
     assert fresh.history_length == 0
 
 
+def test_rewound_holds_from_a_rollback_until_the_next_good_state_and_survives_a_checkpoint():
+    monitor = fed_monitor(noisy_decreasing_losses(4, steps=20), [1.0] * 20)
+    assert not monitor.rewound
+    monitor.remember_window()
+    monitor.rewind_window()
+    assert monitor.rewound
+    restored = DivergenceMonitor()
+    restored.load_state_dict(json.loads(json.dumps(monitor.state_dict())))
+    assert restored.rewound
+    monitor.remember_window()  # the next good state
+    assert not monitor.rewound
+    older = monitor.state_dict()
+    del older["rewound"]  # written before the key existed
+    restored.load_state_dict(older)
+    assert not restored.rewound
+    with pytest.raises(ValueError, match="rewound"):
+        restored.load_state_dict(dict(monitor.state_dict(), rewound=1))
+
+
 def test_refusals_in_a_row_stall_and_an_accepted_step_ends_them():
     monitor = DivergenceMonitor(max_refused_in_a_row=3)
     assert not monitor.record_refusal() and not monitor.record_refusal()
