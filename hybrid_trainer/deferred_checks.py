@@ -24,7 +24,10 @@ queued values at once and the monitor judges them in order:
   at that step; the steps queued after it trained on from the spiked weights and are discarded
   with it (``skipped`` and ``rolled_back``);
 * after a clean block the good state is snapshot when due (``good_state_every``), so a snapshot
-  never holds a step that was not judged.
+  never holds a step that was not judged;
+* from a rollback until the next good state is taken, each step is read as it comes
+  (:meth:`StepGuard.defers`): refusals come in runs, and one found at a block's read costs the
+  block's later steps too.
 
 Judging a block: each value is compared with limits computed from the monitor's window as it
 stood at the start of the block (:meth:`DivergenceMonitor.quiet_limits`), and only a value
