@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from operator import mul
 from typing import Any
 
 import torch
@@ -56,7 +55,9 @@ def _read_on_access(name: str) -> property:
 def global_norm(norms: list[float]) -> float:
     """The global L2 norm from its parts' norms, ``sqrt(fsum(n_i ** 2))`` in float64 on the host
     (how the guard combines per-gradient norms it has read); non-finite if any part is."""
-    return math.sqrt(math.fsum(map(mul, norms, norms)))  # the products in C: a step may have hundreds
+    # A comprehension, not map(mul, ...): Python 3.11 specialises the float product, and for 40
+    # norms the comprehension took 2.2 µs against 2.5 (timeit, one core).
+    return math.sqrt(math.fsum([n * n for n in norms]))
 
 
 class PendingStepResult(StepResult):
