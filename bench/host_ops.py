@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import dataclasses
 import json
 import shlex
@@ -37,7 +36,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .protocol import run_metadata
+from .protocol import guard_as_on_a_gpu, run_metadata
 
 
 def _caller(frame, package: str) -> str | None:
@@ -117,24 +116,8 @@ FUSED_ARMS = ARMS[4:]  # AdamW(fused=True): its step skips a non-finite update o
 
 def count_arm(task, arm: str, warmup: int, steps: int, lr: float) -> dict:
     """Ops per step of one arm: median, max, and the mean per caller over the counted steps."""
-    with _reads_wait_for_the_device():
+    with guard_as_on_a_gpu():
         return _count_arm(task, arm, warmup, steps, lr)
-
-
-@contextlib.contextmanager
-def _reads_wait_for_the_device():
-    """The trainer's guard as on a GPU, whose reads wait for the device (see the module
-    docstring), and its good state's finiteness check as on a GPU (one multi-tensor norm for
-    every tensor, where a CPU takes one ``aminmax`` per tensor)."""
-    from hybrid_trainer import resume_check, step_guard
-
-    free, multi_tensor = step_guard.reads_are_free, resume_check._multi_tensor_norm_pays
-    step_guard.reads_are_free = lambda device: False
-    resume_check._multi_tensor_norm_pays = lambda device: True
-    try:
-        yield
-    finally:
-        step_guard.reads_are_free, resume_check._multi_tensor_norm_pays = free, multi_tensor
 
 
 def _count_arm(task, arm: str, warmup: int, steps: int, lr: float) -> dict:

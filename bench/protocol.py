@@ -298,6 +298,25 @@ def make_optimizer(spec: ArmSpec, model: torch.nn.Module) -> torch.optim.Optimiz
 
 
 @contextlib.contextmanager
+def guard_as_on_a_gpu():
+    """Inside: a trainer built here has its guard as on a GPU, whose reads wait for the device
+    (``step_guard.reads_are_free`` false: its checks queued and, with ``read_every`` > 1, read
+    once per block), and the good state's finiteness check takes a GPU's way (one multi-tensor
+    norm of every tensor, ``resume_check._multi_tensor_norm_pays``, where a CPU takes one
+    ``aminmax`` per tensor). For counting and stepping on a CPU what a GPU's host runs; both
+    are put back on exit."""
+    from hybrid_trainer import resume_check, step_guard
+
+    free, multi_tensor = step_guard.reads_are_free, resume_check._multi_tensor_norm_pays
+    step_guard.reads_are_free = lambda device: False
+    resume_check._multi_tensor_norm_pays = lambda device: True
+    try:
+        yield
+    finally:
+        step_guard.reads_are_free, resume_check._multi_tensor_norm_pays = free, multi_tensor
+
+
+@contextlib.contextmanager
 def schedule_free_evaluation(optimizer: torch.optim.Optimizer):
     """The parameters at schedule-free's averaged point for the block, then back at the point its
     gradients are taken (the library's ``eval()``/``train()`` pair; the pair is what every

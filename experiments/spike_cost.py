@@ -16,7 +16,7 @@ each with ``AdamW(fused=True)``, the same initial weights and the same batches:
 * ``plain``: the plain loop (it refuses nothing);
 * ``read every step``: ``HybridTrainer(predict=False, read_every=1)``;
 * ``read every 16 steps, as on a GPU``: ``HybridTrainer(predict=False, read_every=16)`` with its
-  guard built as on a GPU (``step_guard.reads_are_free`` false): the update skipped on the
+  guard built as on a GPU (:func:`bench.protocol.guard_as_on_a_gpu`): the update skipped on the
   device, the checks judged once per block.
 
 Per arm and seed: the steps refused and the rollbacks in the second stage, whether the guard
@@ -26,6 +26,7 @@ stopped the run (``TrainingStalledError``), and the mean loss over all 64 batche
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import shlex
 import statistics
@@ -42,16 +43,11 @@ SEEN = 48  # batches of the first stage, of the 64
 
 def run_arm(arm: str, seed: int, before: int, after: int) -> dict[str, Any]:
     """One arm on one seed: the second stage's refusals and rollbacks, and the final loss (the
-    GPU arm's guard is told that reads wait for the device while it runs)."""
-    from hybrid_trainer import step_guard
+    GPU arm runs inside :func:`bench.protocol.guard_as_on_a_gpu`)."""
+    from bench.protocol import guard_as_on_a_gpu
 
-    free = step_guard.reads_are_free
-    if arm == ARMS[2]:
-        step_guard.reads_are_free = lambda device: False
-    try:
+    with guard_as_on_a_gpu() if arm == ARMS[2] else contextlib.nullcontext():
         return _run(arm, seed, before, after)
-    finally:
-        step_guard.reads_are_free = free
 
 
 def _run(arm: str, seed: int, before: int, after: int) -> dict[str, Any]:

@@ -22,8 +22,8 @@ code the timing benchmark steps), plus the compact guard of :mod:`experiments.co
 (``step_guard.reads_are_free`` false), so that ``predict=False`` takes the path it takes there:
 its checks queued and read every 16 steps, the update skipped on the device when a value is
 not finite (:mod:`hybrid_trainer.deferred_checks`), and the good state's finiteness check one
-multi-tensor norm of every tensor (``resume_check._multi_tensor_norm_pays``), as
-``bench.host_ops`` counts them. The tensor work is the CPU's; the Python
+multi-tensor norm of every tensor (``resume_check._multi_tensor_norm_pays``): the switches of
+``bench.protocol.guard_as_on_a_gpu``, set for the child's whole life. The tensor work is the CPU's; the Python
 and the number of ops around it are the GPU step's host work, which a GPU's step pays in full
 wherever its host, not the device, sets the pace (docs/gpu.md).
 

@@ -45,6 +45,8 @@ def test_arms_are_counted_with_the_guard_and_the_snapshot_check_as_on_a_gpu_and_
     from hybrid_trainer import resume_check, step_guard
 
     cpu = torch.device("cpu")
-    with host_ops._reads_wait_for_the_device():
+    from bench.protocol import guard_as_on_a_gpu
+
+    with guard_as_on_a_gpu():
         assert not step_guard.reads_are_free(cpu) and resume_check._multi_tensor_norm_pays(cpu)
     assert step_guard.reads_are_free(cpu) and not resume_check._multi_tensor_norm_pays(cpu)
