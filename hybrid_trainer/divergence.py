@@ -60,6 +60,20 @@ Why the z-score reference is the median of the *whole* window rather than the la
 loss the window median sits above the newest values, so the ordinary downward trend can never look like a
 rise. The cost is that a rise must clear the older, higher level before it is flagged; the grad-norm and NaN
 signals, which need no history, cover the fast blow-ups.
+
+Lone alarms (``blame_lone_alarms_on_the_batch``, on by default). One step cannot tell a batch that is
+hard or corrupt from weights that went wrong; the next step can: weights gone wrong make every batch
+lose more, a batch only itself. So a critical step right after one that raised nothing critical is
+taken for the batch's: a lone loss z-score outlier with an ordinary gradient is tolerated (reported as
+a WARNING, its update applied and its loss recorded), any other lone alarm is refused without going
+back to the good state; the next critical step in a row is refused and goes back. Why: a batch far
+above the window comes round again every epoch (a tail batch, a class learnt late, a new regime), and
+the rules refused it each time, so it was never learnt; and going back to the good state threw away
+every step since it, for a fault that was the batch's. ``python -m experiments.spike_cost`` measures
+both sides, a healthy run whose data changes level and runs with a learning rate gone wrong or corrupt
+batches (docs/trainer.md, "What a false alarm costs"). What is given up: the first step of a divergence
+that only the z-score sees is applied before the next one is refused (the good state it goes back to
+was taken before it).
 """
 from __future__ import annotations
 
@@ -197,6 +211,15 @@ class DivergenceMonitor:
         max_refused_in_a_row: refused steps in a row (:meth:`record_refusal`, with no accepted step between)
             after which :attr:`stalled` is True: the trainer then restores its last good state once and, if
             that does not get it going, stops with an error (>= 1).
+        blame_lone_alarms_on_the_batch: a critical step right after one that raised nothing
+            critical (a lone alarm) is taken for the batch's fault, not the weights': when its only
+            critical finding is the loss z-score, it is a WARNING (its reasons say so; counted in
+            :attr:`tolerated`) and its update stands; any other (a loss jump, an exploding or
+            non-finite gradient) is refused without going back to the good state
+            (:meth:`StepGuard.refuse_update`). The next critical step in a row is the weights':
+            refused, and a finite one goes back to the good state. False: every critical step is
+            refused and every finite one goes back (the rule before). Module docstring, "Lone
+            alarms".
     """
 
     def __init__(
@@ -213,6 +236,7 @@ class DivergenceMonitor:
         loss_jump_factor: float = 10.0,
         grad_jump_factor: float = 100.0,
         max_refused_in_a_row: int = 20,
+        blame_lone_alarms_on_the_batch: bool = True,
     ):
         self.window = _require_int("window", window, 2, ">= 2")
         self.loss_z_warning = _require_float("loss_z_warning", loss_z_warning, lambda v: v > 0, "> 0")
@@ -239,6 +263,9 @@ class DivergenceMonitor:
         self.loss_jump_factor = _require_float("loss_jump_factor", loss_jump_factor, lambda v: v > 1, "> 1")
         self.grad_jump_factor = _require_float("grad_jump_factor", grad_jump_factor, lambda v: v > 1, "> 1")
         self.max_refused_in_a_row = _require_int("max_refused_in_a_row", max_refused_in_a_row, 1, ">= 1")
+        if not isinstance(blame_lone_alarms_on_the_batch, bool):
+            raise ValueError(f"blame_lone_alarms_on_the_batch must be a bool, got {blame_lone_alarms_on_the_batch!r}")
+        self.blame_lone_alarms_on_the_batch = blame_lone_alarms_on_the_batch
 
         # The oscillation test needs oscillation_window + 1 losses, which may exceed the z-score window.
         self._loss_capacity = max(self.window, self.oscillation_window + 1)
@@ -258,6 +285,10 @@ class DivergenceMonitor:
         self._grad_norms_sorted: list[float] = []
         self.counts: dict[str, int] = {kind: 0 for kind in REASON_KINDS}
         self.refused_in_a_row = 0  # refused steps since the last accepted one (record_refusal)
+        # Critical checks in a row (tolerated ones included), ended by a check or a quiet step
+        # that raises nothing critical: a lone outlier is one with none before it.
+        self.critical_in_a_row = 0
+        self.tolerated = 0  # lone outliers reported as warnings (blame_lone_alarms_on_the_batch)
         self._remembered: tuple | None = None  # the window at the last good state (remember_window)
         # A rollback rewound the window and no good state has been taken since: a guard that
         # reads its checks once per block reads them every step meanwhile (StepGuard.defers).
@@ -404,6 +435,7 @@ class DivergenceMonitor:
         if grad_norm is not None:
             self._record_grad_norm(grad_norm)
         self.refused_in_a_row = 0
+        self.critical_in_a_row = 0
 
     def check_oscillation_once(self) -> bool:
         """The oscillation test on the accepted losses as they are now, counted as one warning
@@ -420,8 +452,10 @@ class DivergenceMonitor:
         Args:
             loss: the step's loss, or None when no loss was computed (only grad tests run then).
             grad_norm: global L2 gradient norm, or None when no backward pass was done.
-            count: add the report's kinds to :attr:`counts`. Pass False to re-check the same step without
-                double counting; the statistics themselves are never changed by ``check``.
+            count: add the report's kinds to :attr:`counts` and count the check as a step judged (a
+                lone outlier, ``blame_lone_alarms_on_the_batch``, is one whose counted check before it raised
+                nothing critical). Pass False to re-check the same step without double counting; the
+                statistics themselves are never changed by ``check``.
         """
         if type(loss) is float and type(grad_norm) is float:
             bounds = self._bounds
@@ -430,6 +464,8 @@ class DivergenceMonitor:
             # Nearly every step: three compares against bounds computed when the window last changed
             # (a NaN fails them); anything outside goes to the exact test and the rules.
             if (-_LARGEST <= loss <= bounds[0] and bounds[1] <= grad_norm <= bounds[2]) or self._quiet(loss, grad_norm):
+                if count:
+                    self.critical_in_a_row = 0
                 return QUIET_REPORT
         loss_value = _as_optional_float("loss", loss)
         grad_value = _as_optional_float("grad_norm", grad_norm)
@@ -451,13 +487,32 @@ class DivergenceMonitor:
             findings.extend(self._check_grad(grad_value))
 
         if not findings:  # nearly every step: skip building the report from an empty list
+            if count:
+                self.critical_in_a_row = 0
             return QUIET_REPORT
         severity = max((f[0] for f in findings), default=Severity.OK)
         kinds = [f[1] for f in findings]
+        reasons = [f[2] for f in findings]
         if count:
             for kind in set(kinds):  # one event per kind per check, even if loss and grad are both NaN
                 self.counts[kind] += 1
-        return DivergenceReport(severity=Severity(severity), reasons=[f[2] for f in findings], kinds=kinds)
+            if severity is not Severity.CRITICAL:
+                self.critical_in_a_row = 0
+            else:
+                self.critical_in_a_row += 1
+                if self.critical_in_a_row == 1 and self._tolerable(findings):
+                    severity = Severity.WARNING
+                    reasons.append("a lone outlier, tolerated: the step before raised nothing critical")
+                    self.tolerated += 1
+        return DivergenceReport(severity=Severity(severity), reasons=reasons, kinds=kinds)
+
+    def _tolerable(self, findings: list[tuple[Severity, str, str]]) -> bool:
+        """Whether a lone critical step stands (``blame_lone_alarms_on_the_batch``): its only
+        critical finding is the loss z-score. An exploding gradient is what its update would carry
+        into the weights, and a loss jump or a non-finite value is no tail of the window."""
+        if not self.blame_lone_alarms_on_the_batch:
+            return False
+        return all(kind == "loss_z" for level, kind, _ in findings if level is Severity.CRITICAL)
 
     def _quiet_bounds(self) -> tuple[float, float, float]:
         """(loss ceiling, grad-norm floor, grad-norm ceiling): a finite loss at most the ceiling with
@@ -650,6 +705,8 @@ class DivergenceMonitor:
             "grad_norms": list(self._grad_norms),
             "counts": dict(self.counts),
             "refused_in_a_row": self.refused_in_a_row,
+            "critical_in_a_row": self.critical_in_a_row,
+            "tolerated": self.tolerated,
             "rewound": self.rewound,
             "remembered": None if self._remembered is None else {
                 "losses": list(self._remembered[0]), "sign_changes": list(self._remembered[1]),
@@ -668,6 +725,7 @@ class DivergenceMonitor:
                 "loss_jump_factor": self.loss_jump_factor,
                 "grad_jump_factor": self.grad_jump_factor,
                 "max_refused_in_a_row": self.max_refused_in_a_row,
+                "blame_lone_alarms_on_the_batch": self.blame_lone_alarms_on_the_batch,
             },
         }
 
@@ -676,7 +734,7 @@ class DivergenceMonitor:
 
         The monitor's own constructor settings win over ``state["config"]`` (thresholds may be retuned on
         resume); history longer than this monitor's window is truncated to the most recent values. A state
-        written before some keys existed (kinds of signal added later, the refusal run, the remembered
+        written before some keys existed (kinds of signal added later, the refusal run, the run of critical checks and the tolerated count, the remembered
         window) loads with zeros and no remembered window for them.
         """
         if not isinstance(state, dict):
@@ -698,6 +756,10 @@ class DivergenceMonitor:
         refused = state.get("refused_in_a_row", 0)
         if not isinstance(refused, int) or isinstance(refused, bool) or refused < 0:
             raise ValueError(f"state['refused_in_a_row'] must be a non-negative integer, got {refused!r}")
+        in_a_row = {key: state.get(key, 0) for key in ("critical_in_a_row", "tolerated")}
+        for key, value in in_a_row.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"state[{key!r}] must be a non-negative integer, got {value!r}")
         rewound = state.get("rewound", False)
         if not isinstance(rewound, bool):
             raise ValueError(f"state['rewound'] must be a bool, got {rewound!r}")
@@ -719,5 +781,6 @@ class DivergenceMonitor:
         self._resort()
         self.counts = {kind: int(counts.get(kind, 0)) for kind in REASON_KINDS}
         self.refused_in_a_row = refused
+        self.critical_in_a_row, self.tolerated = in_a_row["critical_in_a_row"], in_a_row["tolerated"]
         self._remembered = remembered
         self.rewound = rewound

@@ -131,6 +131,7 @@ def run_statistics(trainer: Any) -> dict[str, Any]:
         dynamics_train_steps=trainer.forecaster.train_steps,
         loss_noise_std=trainer.loss_trend.noise_std,
         divergence_events=dict(trainer.monitor.counts),
+        outliers_tolerated=trainer.monitor.tolerated,
         predicted_scale_mean=float(trainer.predictor.scales.mean()),
         last_update_cosine=trainer._last_update_cosine,
         predicted_step_worth=trainer.worth.predicted_worth,
@@ -156,7 +157,7 @@ def format_summary(s: dict[str, Any]) -> str:
         f"({s['verifications_accepted']} accepted); predict phases {s['predict_phases']} "
         f"({s['predict_phases_rejected']} rejected)",
         f"divergence rollbacks {s['divergence_rollbacks']}, skipped updates {s['skipped_steps']}, "
-        f"good state restored for a stall {s['stall_restores']}",
+        f"lone outliers tolerated {s['outliers_tolerated']}, good state restored for a stall {s['stall_restores']}",
         "time per phase: " + ", ".join(f"{k} {v:.2f}s" for k, v in s["time_by_phase_s"].items()),
     ]
     if s["dynamics_error_by_horizon"]:

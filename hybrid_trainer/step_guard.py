@@ -19,8 +19,9 @@ file written behind that step's forward and backward (:meth:`StepGuard.accept`,
 at once (:meth:`StepGuard.settled_good_state`).
 
 What a refused step leaves: the weights and optimizer state as before the step (a non-finite
-loss or gradient) or as in the last good state (a spike); the module buffers as before the
-step's forward (:class:`~hybrid_trainer.buffer_guard.BufferGuard`; the forward of a NaN batch
+loss or gradient, or a lone spike: the monitor takes one for the batch's) or as in the last good
+state (a spike right after another critical step, or found at a block's read); the module buffers
+as before the step's forward (:class:`~hybrid_trainer.buffer_guard.BufferGuard`; the forward of a NaN batch
 would otherwise write NaN into batch-norm statistics for good) or the good state's.
 
 When the guard cannot make progress it escalates (:meth:`StepGuard.escalate`): after
@@ -406,15 +407,23 @@ class StepGuard:
         return self.monitor.check(loss, grad_norm)
 
     def refuse_update(self, loss: float, grad_norm: float | None, report: Any = None, step: int | None = None,
-                      judged_later: bool = False) -> bool:
+                      judged_later: bool = False, update_ran: bool = False) -> bool:
         """A critical divergence: the update is not applied; weights go back to the last good
-        state if they are already off (a loss spike), the buffers to where the step's forward
-        found them otherwise. Escalates when the guard cannot make progress (module docstring).
-        Returns whether the weights were rolled back; raises :class:`TrainingStalledError`.
+        state if they are already off, the buffers to where the step's forward found them
+        otherwise. Escalates when the guard cannot make progress (module docstring). Returns
+        whether the weights were rolled back; raises :class:`TrainingStalledError`.
+
+        When the weights are off: a finite spike right after another critical step (the monitor's
+        ``critical_in_a_row``), for weights gone wrong show on every batch. A lone one is taken
+        for the batch's (a corrupt batch, a hard one): its update is refused and nothing else
+        goes (``DivergenceMonitor(blame_lone_alarms_on_the_batch=False)``: every finite spike).
 
         ``judged_later``: the step's checks waited (:mod:`~hybrid_trainer.deferred_checks`); its
         non-finite update was skipped and its buffers put back where it ran, and its gradients
-        are gone, so only the judgment is left to do."""
+        are gone, so only the judgment is left to do. ``update_ran``: the step's update was
+        launched before its values were read (:meth:`steps_on_device`), skipped on the device
+        only if non-finite. In both, a finite spike's update ran, so it always goes back to the
+        good state."""
         if not judged_later:
             self.optimizer.zero_grad(set_to_none=True)
             if self.scaler is not None:
@@ -424,7 +433,12 @@ class StepGuard:
         self.stats.skipped_steps += 1
         non_finite = not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm))
         rolled_back = False
-        if not non_finite and self.good_state.is_set:
+        monitor = self.monitor
+        # A lone alarm is taken for the batch's: weights gone wrong show on the next batch too. A
+        # finite update that ran already (judged later, launched before the read) always goes back.
+        weights_off = (judged_later or update_ran or monitor.critical_in_a_row > 1
+                       or not monitor.blame_lone_alarms_on_the_batch)
+        if not non_finite and self.good_state.is_set and weights_off:
             self.good_state.restore(self.optimizer)  # weights, optimizer state and buffers
             self.stats.divergence_rollbacks += 1
             self.monitor.rewind_window()  # the next steps are judged by the good state's window

@@ -375,10 +375,13 @@ class HybridTrainer:
             total, grad_norm = guard.read_step_values(loss_sum)
         report = guard.check(total, grad_norm)
         if report.critical:
-            if partly_applied and guard.good_state.is_set:  # memory plan: undo the finite updates already made
+            undone = partly_applied and guard.good_state.is_set
+            if undone:  # memory plan: undo the finite updates already made
                 guard.good_state.restore(self.optimizer)
                 self.stats.divergence_rollbacks += 1
-            return self._refused_step(phase, total, grad_norm, report, lrs)
+            result = self._refused_step(phase, total, grad_norm, report, lrs, update_ran=overlapped)
+            result.rolled_back = result.rolled_back or undone
+            return result
 
         predictor = self.predict_phase.predictor  # not the property: one call less per step
         if record:
@@ -430,9 +433,10 @@ class HybridTrainer:
                           rolled_back=rolled_back)
 
     def _refused_step(self, phase: Phase, total: float, grad_norm: float | None, report: Any,
-                      lrs: tuple[float, ...]) -> StepResult:
-        """A real step whose update the guard refused (:meth:`StepGuard.refuse_update`)."""
-        rolled_back = self.guard.refuse_update(total, grad_norm, report, self.step_count)
+                      lrs: tuple[float, ...], update_ran: bool = False) -> StepResult:
+        """A real step whose update the guard refused (:meth:`StepGuard.refuse_update`;
+        ``update_ran``: launched before the read, :meth:`StepGuard.steps_on_device`)."""
+        rolled_back = self.guard.refuse_update(total, grad_norm, report, self.step_count, update_ran=update_ran)
         self.controller.force_full()
         return StepResult(step=self.step_count, phase=phase.value, loss=total if math.isfinite(total) else None,
                           backward_done=self.stats.backward_passes > 0 and math.isfinite(total), skipped=True,

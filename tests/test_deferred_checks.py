@@ -186,6 +186,33 @@ def test_a_spike_goes_back_to_the_good_state_and_discards_the_steps_after_it():
     assert_same_state(trainer.optimizer.state_dict(), again.optimizer.state_dict())
 
 
+def test_a_lone_outlier_found_at_the_read_stands_and_nothing_is_discarded():
+    # A batch far above the window with an ordinary gradient (a hard batch): found at the block's
+    # read, it is tolerated like the per-step guard's, so its update and the block's later ones
+    # stand (they ran already): the weights are those of a run without it, bit for bit.
+    batches = _batches(80)
+    _, clean = _make(8, good_state_every=6)
+    model, trainer = _make(8, good_state_every=6)
+    calls = {"n": 0}
+
+    def louder(model, batch):  # ten times the loss on one call, the same gradient
+        calls["n"] += 1
+        loss = _loss(model, batch)
+        return loss + 9 * loss.detach() if calls["n"] == outlier_call else loss
+
+    outlier_call = 70 + 3
+    trainer.loss_fn = louder
+    results = [trainer.step(b) for b in batches]
+    for b in batches:
+        clean.step(b)
+    trainer.close()
+    clean.close()
+    assert isinstance(results[72], PendingStepResult) and results[72].divergence == "WARNING"
+    assert trainer.monitor.tolerated == 1 and trainer.stats.skipped_steps == 0
+    assert_same_state(_state(model, trainer)["model"], _state(clean.model, clean)["model"])
+    assert_same_state(trainer.optimizer.state_dict(), clean.optimizer.state_dict())
+
+
 def test_after_a_rollback_each_step_is_read_until_the_next_good_state_then_blocks_again():
     # A refused step found at a block's read discards the block's later steps too, and
     # refusals come in runs: from a rollback until a good state is taken, steps are read one
@@ -209,7 +236,9 @@ def test_after_a_rollback_each_step_is_read_until_the_next_good_state_then_block
             break
     assert not any(isinstance(r, PendingStepResult) for r in results)  # judged as they came
     refused = [r for r in results if r.skipped]
-    assert len(refused) == 1 and refused[0].step == second and refused[0].rolled_back
+    # Read as it came, a lone alarm is taken for the batch's: its step is refused, nothing else goes.
+    assert len(refused) == 1 and refused[0].step == second and not refused[0].rolled_back
+    assert trainer.stats.divergence_rollbacks == 1
     assert trainer.stats.skipped_steps == 6 + 1  # the first block's 6, then only the one step
     assert not trainer.monitor.rewound and trainer.guard.defers()  # a good state again: blocks again
     assert isinstance(trainer.step(batches[-1]), PendingStepResult)

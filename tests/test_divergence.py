@@ -68,7 +68,7 @@ def test_steady_noisy_decreasing_loss_stays_ok_for_200_steps(seed):
 
 def test_tenfold_spike_is_critical_and_not_recorded_by_check():
     losses = noisy_decreasing_losses(0, steps=60)
-    monitor = fed_monitor(losses)
+    monitor = fed_monitor(losses, blame_lone_alarms_on_the_batch=False)  # the rule alone (tolerance: below)
     before = monitor.state_dict()
     spike = 10 * losses[-1]
     report = monitor.check(spike)
@@ -132,7 +132,7 @@ def test_grad_jump_is_critical_from_the_first_grad_norm():
 
 def test_rewind_window_goes_back_to_the_remembered_history():
     losses = noisy_decreasing_losses(4, steps=40)
-    monitor = fed_monitor(losses, [1.0] * 40)
+    monitor = fed_monitor(losses, [1.0] * 40, blame_lone_alarms_on_the_batch=False)
     monitor.remember_window()
     kept = monitor.state_dict()
     for loss in losses[:5]:  # the abandoned trajectory
@@ -166,6 +166,77 @@ def test_rewound_holds_from_a_rollback_until_the_next_good_state_and_survives_a_
         restored.load_state_dict(dict(monitor.state_dict(), rewound=1))
 
 
+# ------------------------------------------------------------------------------- lone outliers ----
+def _flat_monitor(**kwargs) -> DivergenceMonitor:
+    """50 accepted steps near 1.0 (std 0.01) with grad norms near 1: 1.5 scores z ~ 50, far below the
+    loss_jump rule's bound (~10)."""
+    rng = np.random.default_rng(7)
+    return fed_monitor(list(1.0 + rng.normal(0.0, 0.01, 50)), list(1.0 + rng.normal(0.0, 0.01, 50)), **kwargs)
+
+
+def test_a_lone_z_outlier_is_a_warning_and_the_next_critical_step_in_a_row_is_not():
+    monitor = _flat_monitor()
+    report = monitor.check(1.5, 1.0)
+    assert report.severity is Severity.WARNING and not report.critical and report.kinds == ["loss_z"]
+    assert report.reasons[-1].startswith("a lone outlier, tolerated")
+    assert (monitor.tolerated, monitor.critical_in_a_row, monitor.counts["loss_z"]) == (1, 1, 1)
+    monitor.observe(1.5, 1.0)  # the trainer applies a tolerated step
+    second = monitor.check(3.0, 1.0)  # z ~ 14 against the window that now holds 1.5
+    assert second.critical and second.kinds == ["loss_z"] and monitor.tolerated == 1
+    assert monitor.critical_in_a_row == 2
+    # A step that raises nothing critical ends the run: the next outlier is lone again.
+    assert monitor.check(1.0, 1.0).severity is Severity.OK and monitor.critical_in_a_row == 0
+    assert not monitor.check(3.0, 1.0).critical and monitor.tolerated == 2
+    monitor.check(1.0, 1.0)
+    monitor.check(1.0, 1.0, count=False)  # a re-check of a step judged already is not a step
+    monitor.check(3.0, 1.0, count=False)
+    assert (monitor.critical_in_a_row, monitor.tolerated) == (0, 2)
+    # Steps found quiet in a block read (observe_quiet, never checked) end a run too.
+    monitor.check(3.0, 1.0)
+    assert monitor.critical_in_a_row == 1
+    monitor.observe_quiet(1.0, 1.0)
+    assert monitor.critical_in_a_row == 0
+
+
+@pytest.mark.parametrize("loss, grad_norm, kinds", [
+    (1.0, 100.0, ["grad_explosion"]),  # an exploding gradient is what an update would carry into the weights
+    (1.5, 100.0, ["loss_z", "grad_explosion"]),
+    (100.0, 1.0, ["loss_jump", "loss_z"]),  # the history-free rules: a poisoned batch, a blow-up
+    (math.nan, 1.0, ["nan"]),
+    (1.0, math.inf, ["nan"]),
+])
+def test_only_the_loss_z_score_is_tolerated(loss, grad_norm, kinds):
+    monitor = _flat_monitor()
+    report = monitor.check(loss, grad_norm)
+    assert report.critical and report.kinds == kinds and monitor.tolerated == 0
+
+
+def test_the_early_grad_jump_and_a_switched_off_tolerance_are_critical():
+    early = fed_monitor([1.0, 1.0], [1.0, 1.0])  # below min_history: the history-free grad rule
+    assert early.check(1.0, 1e3).critical
+    monitor = _flat_monitor(blame_lone_alarms_on_the_batch=False)
+    assert monitor.check(1.5, 1.0).critical and monitor.tolerated == 0
+    with pytest.raises(ValueError, match="blame_lone_alarms_on_the_batch"):
+        DivergenceMonitor(blame_lone_alarms_on_the_batch=1)
+
+
+def test_the_run_of_critical_steps_and_the_tolerated_count_survive_a_checkpoint():
+    monitor = _flat_monitor()
+    monitor.check(1.5, 1.0)
+    state = json.loads(json.dumps(monitor.state_dict()))
+    restored = DivergenceMonitor()
+    restored.load_state_dict(state)
+    assert (restored.critical_in_a_row, restored.tolerated) == (1, 1)
+    assert restored.check(1.5, 1.0).critical  # the second in a row, as in the run saved
+    older = dict(state)
+    del older["critical_in_a_row"], older["tolerated"]  # written before the keys existed
+    restored.load_state_dict(older)
+    assert (restored.critical_in_a_row, restored.tolerated) == (0, 0)
+    for key, bad in (("critical_in_a_row", -1), ("tolerated", True), ("critical_in_a_row", 1.5)):
+        with pytest.raises(ValueError, match=key):
+            restored.load_state_dict(dict(state, **{key: bad}))
+
+
 def test_refusals_in_a_row_stall_and_an_accepted_step_ends_them():
     monitor = DivergenceMonitor(max_refused_in_a_row=3)
     assert not monitor.record_refusal() and not monitor.record_refusal()
@@ -178,7 +249,7 @@ def test_refusals_in_a_row_stall_and_an_accepted_step_ends_them():
 
 
 def test_flat_loss_does_not_turn_rounding_into_alarm():
-    monitor = fed_monitor([2.0] * 30)
+    monitor = fed_monitor([2.0] * 30, blame_lone_alarms_on_the_batch=False)
     assert monitor.check(2.0 + 1e-6).severity == Severity.OK
     assert monitor.check(2.0 * 3).critical  # the relative floor still lets a real jump through
 
@@ -428,6 +499,7 @@ def _candidates(monitor, accepted, offsets):
 @settings(max_examples=150, deadline=None)
 def test_check_gives_exactly_the_reference_findings(case):
     settings_, steps, offsets = case
+    settings_ = dict(settings_, blame_lone_alarms_on_the_batch=False)  # the rules alone, as the reference
     monitor = DivergenceMonitor(**settings_)
     accepted, accepted_grads = [], []
     expected_counts = dict.fromkeys(REASON_KINDS, 0)

@@ -120,22 +120,26 @@ def test_a_divergence_rollback_names_the_good_state_it_went_back_to(stream, capl
     def spiking(model, batch):
         calls["n"] += 1
         loss = cross_entropy(model, batch)
-        return loss * 50.0 if calls["n"] == 16 else loss
+        return loss * 50.0 if calls["n"] in (16, 17) else loss
 
     trainer.loss_fn = spiking
     for b in stream[:15]:
         trainer.step(b)
     good_step = trainer.good_state.step
+    lone = trainer.step(stream[15])  # a lone spike is taken for the batch's: refused, no rollback
+    assert lone.skipped and not lone.rolled_back and not recorder.of("rollback")
     with caplog.at_level(logging.WARNING, logger="hybrid_trainer"):
-        result = trainer.step(stream[15])
+        result = trainer.step(stream[16])  # the second in a row is the weights'
     assert result.skipped and result.rolled_back
-    (refused,), = recorder.of("refused")
+    (first,), (refused,) = recorder.of("refused")
     (rollback,), = recorder.of("rollback")
+    assert not first.rolled_back
     assert refused.rolled_back and refused.loss == result.loss and refused.grad_norm == result.grad_norm
-    assert (rollback.step, rollback.kind, rollback.to_step, rollback.reason) == (15, "divergence", good_step,
+    assert (rollback.step, rollback.kind, rollback.to_step, rollback.reason) == (16, "divergence", good_step,
                                                                                  result.divergence)
     messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(messages) == 2 and f"rolled back to the good state after step {good_step}" in messages[1]
+    assert messages[0].startswith("step 15: update refused") and messages[0].endswith("weights unchanged")
+    assert len(messages) == 3 and f"rolled back to the good state after step {good_step}" in messages[2]
     # Order within the step: refused, rollback, then (FULL restarted: no phase change) step end.
     assert [c[0] for c in recorder.calls[-3:]] == ["refused", "rollback", "step_end"]
 

@@ -85,10 +85,12 @@ def test_a_spike_right_after_a_rollback_is_refused_too(stream, opt):
     steps after it are judged at once (an emptied window accepted a second spike)."""
     lr = 0.05 if opt == "sgd" else 3e-3
     trainer = make_trainer(model_fn=mlp, opt=opt, lr=lr, predict=False, good_state_every=10)
-    trainer.loss_fn = spiking_loss(cross_entropy, {61, 62, 65})
+    trainer.loss_fn = spiking_loss(cross_entropy, {61, 62, 63, 66})
     results = [trainer.step(b) for b in stream[:100]]
-    assert [r.step for r in results if r.skipped] == [60, 61, 64]
-    assert results[60].rolled_back
+    assert [r.step for r in results if r.skipped] == [60, 61, 62, 65]
+    # A lone spike is taken for the batch's (refused, no rollback); the second in a row goes back,
+    # and the step right after the rollback is judged by the good state's window at once.
+    assert [r.rolled_back for r in results[60:63]] == [False, True, True] and not results[65].rolled_back
     clean = make_trainer(model_fn=mlp, opt=opt, lr=lr, predict=False, good_state_every=10)
     for b in stream[:100]:
         clean.step(b)
@@ -105,6 +107,45 @@ def test_a_spike_in_the_first_steps_is_refused(stream):
     results = [trainer.step(b) for b in stream[:10]]
     assert [r.step for r in results if r.skipped] == [2]
     assert all(p.abs().max() < 10 for p in trainer.params)
+
+
+def louder_loss(loss_fn, at_calls, factor=10.0):
+    """``loss_fn`` whose value on the calls numbered ``at_calls`` is ``factor`` times itself while its
+    gradient stays the same: a batch that scores far above the window (a loss z-score outlier) and
+    carries an ordinary update, as a hard batch does."""
+    calls = {"n": 0}
+
+    def louder(model, batch):
+        calls["n"] += 1
+        loss = loss_fn(model, batch)
+        return loss + (factor - 1) * loss.detach() if calls["n"] in at_calls else loss
+    return louder
+
+
+@pytest.mark.parametrize("path", ["steady", "general"])
+def test_a_lone_outlier_is_applied_and_a_second_in_a_row_goes_back_to_the_good_state(stream, path):
+    """One batch far above the window is the data's: its update stands, bit for bit the plain step's.
+    Weights gone wrong show on the next batch too: that one is refused and rolls back."""
+    config = dict(model_fn=mlp, predict=False, good_state_every=10, memory_profile=path == "general")
+    clean, lone, twice = (make_trainer(**config) for _ in range(3))
+    assert lone._steady_allowed is (path == "steady")
+    lone.loss_fn = louder_loss(cross_entropy, {101})
+    twice.loss_fn = louder_loss(cross_entropy, {101, 102})
+    runs = {name: [t.step(b) for b in stream[:102]] for name, t in (("clean", clean), ("lone", lone))}
+    outlier = runs["lone"][100]
+    assert not outlier.skipped and not outlier.rolled_back and outlier.divergence == "WARNING"
+    assert outlier.loss == pytest.approx(10 * runs["clean"][100].loss, rel=1e-6)
+    assert lone.monitor.tolerated == 1 and lone.monitor.counts["loss_z"] == 1
+    assert lone.statistics()["outliers_tolerated"] == 1 and "lone outliers tolerated 1" in lone.summary()
+    assert lone.stats.skipped_steps == 0 and lone.stats.divergence_rollbacks == 0
+    for p, q in zip(lone.params, clean.params):
+        assert torch.equal(p, q)
+    results = [twice.step(b) for b in stream[:102]]
+    assert not results[100].skipped and results[101].skipped and results[101].rolled_back
+    assert "loss z-score" in results[101].divergence and twice.monitor.tolerated == 1
+    for p, saved in zip(twice.params, twice.good_state.state_dict()["params"]):
+        assert torch.equal(p.detach(), saved)
+    assert twice.good_state.step < 100  # taken before the tolerated step, which goes with the rollback
 
 
 # -------------------------------------------------------------------------------- escalation ----

@@ -555,16 +555,17 @@ def test_offload_while_predicting_leaves_the_run_unchanged(stream):
         assert torch.equal(p, q)
 
 
-def spiking_trainer(stream, after_step=None, **overrides):
-    """A trainer after 15 ordinary steps whose next loss (the 16th call) is 50 times too large.
-    ``after_step(trainer)`` runs after each of the 15 steps."""
-    trainer = make_trainer(good_state_every=5, divergence={"min_history": 5}, **overrides)
+def spiking_trainer(stream, after_step=None, spikes=(16,), **overrides):
+    """A trainer after 15 ordinary steps whose loss on the calls ``spikes`` (the 16th: the next
+    step's) is 50 times too large. ``after_step(trainer)`` runs after each of the 15 steps."""
+    trainer = make_trainer(good_state_every=5, divergence={"min_history": 5, **overrides.pop("divergence", {})},
+                           **overrides)
     calls = {"n": 0}
 
     def spiking(model, batch):
         calls["n"] += 1
         loss = cross_entropy(model, batch)
-        return loss * 50.0 if calls["n"] == 16 else loss
+        return loss * 50.0 if calls["n"] in spikes else loss
 
     trainer.loss_fn = spiking
     for b in stream[:15]:
@@ -574,8 +575,13 @@ def spiking_trainer(stream, after_step=None, **overrides):
     return trainer
 
 
+# What a rollback restores, each spike rolling back (a lone one is refused without a rollback
+# by default: test_loss_spike_restores_the_last_good_state).
+ROLL_BACK_EACH_SPIKE = {"divergence": {"blame_lone_alarms_on_the_batch": False}}
+
+
 def test_loss_spike_restores_the_batch_norm_statistics_of_the_last_good_state(stream):
-    trainer = spiking_trainer(stream, model_fn=batch_norm_mlp)
+    trainer = spiking_trainer(stream, model_fn=batch_norm_mlp, **ROLL_BACK_EACH_SPIKE)
     before_spike = batch_norm_state(trainer.model)
     saved = trainer.good_state.state_dict()["buffers"]
     assert not torch.equal(saved[0], before_spike[0])  # the statistics moved since the good state
@@ -585,17 +591,22 @@ def test_loss_spike_restores_the_batch_norm_statistics_of_the_last_good_state(st
 
 
 def test_loss_spike_restores_the_last_good_state(stream):
-    trainer = spiking_trainer(stream)
+    trainer = spiking_trainer(stream, spikes=(16, 17))
     assert trainer.good_state.is_set
     good_step = trainer.good_state.step
-    result = trainer.step(stream[15])
+    before = [p.detach().clone() for p in trainer.params]
+    lone = trainer.step(stream[15])  # taken for the batch's: refused, the weights as before it
+    assert lone.skipped and not lone.rolled_back and trainer.stats.divergence_rollbacks == 0
+    for p, b in zip(trainer.params, before):
+        assert torch.equal(p.detach(), b)
+    result = trainer.step(stream[16])  # the second in a row is the weights': back to the good state
     assert result.skipped and result.rolled_back and "z" in result.divergence
     saved = trainer.good_state.state_dict()["params"]
     for p, s in zip(trainer.params, saved):
         assert torch.equal(p.detach(), s)
     assert trainer.controller.phase is Phase.FULL and trainer.stats.divergence_rollbacks == 1
     assert good_step <= 15
-    assert not trainer.step(stream[16]).skipped  # and training goes on
+    assert not trainer.step(stream[17]).skipped  # and training goes on
 
 
 def test_loss_spike_restores_the_optimizer_state_of_the_last_good_state(stream):
@@ -608,7 +619,7 @@ def test_loss_spike_restores_the_optimizer_state_of_the_last_good_state(stream):
             taken[trainer.good_state.step] = ([p.detach().clone() for p in trainer.params],
                                               copy.deepcopy(trainer.optimizer.state_dict()))
 
-    trainer = spiking_trainer(stream, after_step=remember)
+    trainer = spiking_trainer(stream, after_step=remember, **ROLL_BACK_EACH_SPIKE)
     good_step = trainer.good_state.step
     weights, optimizer_state = taken[good_step]
     before_spike = copy.deepcopy(trainer.optimizer.state_dict())
@@ -626,7 +637,9 @@ def test_loss_spike_restores_the_optimizer_state_of_the_last_good_state(stream):
 def test_refused_step_under_fp16_grad_scaling_leaves_the_scaler_usable(stream):
     # The GradScaler allows one unscale_ per update(); a refused step must still end with one,
     # or the next step raises.
-    trainer = spiking_trainer(stream, autocast_dtype="float16")
+    # Scaled to overflow, the spike's gradient norm is not read (the scaler skips that update
+    # itself), so only its loss z-score is left: a lone outlier, which the guard would tolerate.
+    trainer = spiking_trainer(stream, autocast_dtype="float16", divergence={"blame_lone_alarms_on_the_batch": False})
     assert trainer.step(stream[15]).skipped
     later = [trainer.step(b) for b in stream[16:20]]
     assert not any(r.skipped for r in later) and trainer.stats.optimizer_steps == 19
@@ -664,6 +677,35 @@ def test_a_queueing_device_gets_one_host_read_per_real_step(stream, monkeypatch)
         assert torch.equal(p, q)
 
 
+def test_a_lone_spike_whose_update_ran_goes_back_to_the_good_state(stream):
+    # A lone spike is taken for the batch's and refused without a rollback only where its update
+    # has not run: launched before the read (a fused optimizer on a GPU), it ran on the device,
+    # and only the good state undoes it.
+    runs = {}
+    for overlap in (False, True):
+        trainer = make_trainer(opt="adamw-fused", predict=False, good_state_every=5, divergence={"min_history": 5},
+                               read_every=1)
+        trainer.guard.overlap = overlap  # the CPU runs the overlapped logic too
+        trainer.loss_fn = spiking_loss_on_call(20)
+        runs[overlap] = (trainer, [trainer.step(b) for b in stream[:20]])
+    (_, read_first), (launched, overlapped) = runs[False], runs[True]
+    assert read_first[19].skipped and not read_first[19].rolled_back
+    assert overlapped[19].skipped and overlapped[19].rolled_back
+    for p, saved in zip(launched.params, launched.good_state.state_dict()["params"]):
+        assert torch.equal(p.detach(), saved)
+
+
+def spiking_loss_on_call(n: int):
+    """cross_entropy, 50 times too large on call ``n``."""
+    calls = {"n": 0}
+
+    def loss_fn(model, batch):
+        calls["n"] += 1
+        loss = cross_entropy(model, batch)
+        return loss * 50.0 if calls["n"] == n else loss
+    return loss_fn
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA: pinned copy and event path"))])
 def test_fused_optimizer_steps_before_the_read_and_refuses_exactly_as_the_plain_guard(stream, device):
@@ -673,8 +715,10 @@ def test_fused_optimizer_steps_before_the_read_and_refuses_exactly_as_the_plain_
     A per-step read (``read_every=1``) is the path under test: a GPU's default reads a block of
     16 steps at once (tests/test_deferred_checks.py), which never calls ``step_then_read``."""
     def run(overlap: bool):
+        # Each spike rolls back in both: launched before the read, a lone spike's update ran, and
+        # only the good state undoes it (test_a_lone_spike_whose_update_ran_goes_back_to_the_good_state).
         trainer = make_trainer(opt="adamw-fused", device=device, predict=False, good_state_every=5,
-                               divergence={"min_history": 5}, read_every=1)
+                               divergence={"min_history": 5, "blame_lone_alarms_on_the_batch": False}, read_every=1)
         assert trainer.guard.overlap == (device == "cuda")  # a CPU read waits for nothing: no overlap there
         trainer.guard.overlap = overlap  # the CPU runs the overlapped logic too, to check it
         calls = {"n": 0, "overlapped": 0}
