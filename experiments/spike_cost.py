@@ -1,27 +1,35 @@
-"""What a false alarm of the divergence guard costs a run, read per step or once per block (CPU).
+"""What the divergence guard costs a run where nothing is wrong, and what it saves one where
+something is, read per step or once per block, with each alarm refused or lone outliers tolerated
+(CPU).
 
-A loss that legitimately changes level (new data, a curriculum stage) can score above the
-monitor's critical z-score. The per-step guard then refuses that step and goes back to the last
-good state; with ``read_every=16`` (a GPU's default, :mod:`hybrid_trainer.deferred_checks`) the
-spike is found at the block's read, and the steps queued after it, trained on from the refused
-weights, are discarded with it. This measures what that costs on a run where nothing is wrong:
+    python -m experiments.spike_cost [--seeds 3] [--before 2280] [--after 1600] [--scenarios ...]
 
-    python -m experiments.spike_cost [--seeds 3] [--before 2280] [--after 1600]
+The tiny MLP of ``bench.overhead`` (a fixed random teacher's labels, 64 batches of 8) steps
+``--before`` times, then ``--after`` times in which the scenario happens:
 
-The tiny MLP of ``bench.overhead`` (a fixed random teacher's labels) first steps ``--before``
-times over 48 of its 64 batches, which it learns by heart, then ``--after`` times over all 64:
-the 16 it has not seen lose more, some of them far above the window of the learnt ones. Arms,
-each with ``AdamW(fused=True)``, the same initial weights and the same batches:
+* ``new regime`` (nothing is wrong): the first stage steps over 48 of the 64 batches, which the
+  model learns by heart; the second over all 64. The 16 it has not seen lose far more than the
+  window of the learnt ones, and the monitor scores some of them as spikes.
+* ``learning rate x100`` (something is wrong): all 64 batches throughout; for ``after // 40``
+  steps from ``after // 8`` on, every arm's learning rate is 100 times its own, set before each
+  step (a schedule gone wrong).
+* ``poisoned batches`` (something is wrong): all 64 batches throughout; in the second stage one
+  step in ``after // 16`` gets a corrupt batch instead (inputs times 1,000, labels shifted).
+
+Arms, each with ``AdamW(fused=True)``, the same initial weights and the same batches:
 
 * ``plain``: the plain loop (it refuses nothing);
 * ``read every step``: ``HybridTrainer(predict=False, read_every=1)``;
-* ``read every 16 steps, as on a GPU``: ``HybridTrainer(predict=False, read_every=16)`` with its
-  guard built as on a GPU (:func:`bench.protocol.guard_as_on_a_gpu`): the update skipped on the
-  device, the checks judged once per block.
+* ``read every 16 steps, as on a GPU``: ``read_every=16`` with the guard built as on a GPU
+  (:func:`bench.protocol.guard_as_on_a_gpu`): the update skipped on the device, the checks judged
+  once per block;
+* each of the two again ``, each alarm refused``: ``divergence={"blame_lone_alarms_on_the_batch": False}``,
+  the guard before it tolerated a lone z-score outlier
+  (:class:`~hybrid_trainer.divergence.DivergenceMonitor`).
 
-Per arm and seed: the steps refused and the rollbacks in the second stage, whether the guard
-stopped the run (``TrainingStalledError``), and the mean loss over all 64 batches at the end
-(no gradient). → ``experiments/results/spike_cost.{json,md}``.
+Per scenario, arm and seed: the steps refused, the rollbacks and the lone outliers tolerated in
+the second stage, whether the guard stopped the run (``TrainingStalledError``), and the mean loss
+over all 64 clean batches at the end (no gradient). → ``experiments/results/spike_cost.{json,md}``.
 """
 from __future__ import annotations
 
@@ -32,25 +40,46 @@ import shlex
 import statistics
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
-ARMS = ("plain", "read every step", "read every 16 steps, as on a GPU")
-SEEN = 48  # batches of the first stage, of the 64
+ARMS = ("plain", "read every step, each alarm refused", "read every step",
+        "read every 16 steps, as on a GPU, each alarm refused", "read every 16 steps, as on a GPU")
+SCENARIOS = ("new regime", "learning rate x100", "poisoned batches")
+SEEN = 48  # batches of the new-regime scenario's first stage, of the 64
+LR_FACTOR = 100.0
+POISON_SCALE = 1000.0
 
 
-def run_arm(arm: str, seed: int, before: int, after: int) -> dict[str, Any]:
-    """One arm on one seed: the second stage's refusals and rollbacks, and the final loss (the
-    GPU arm runs inside :func:`bench.protocol.guard_as_on_a_gpu`)."""
+def run_arm(scenario: str, arm: str, seed: int, before: int, after: int) -> dict[str, Any]:
+    """One arm on one seed: the second stage's refusals, rollbacks and tolerated outliers, and the
+    final loss (the GPU arms run inside :func:`bench.protocol.guard_as_on_a_gpu`)."""
     from bench.protocol import guard_as_on_a_gpu
 
-    with guard_as_on_a_gpu() if arm == ARMS[2] else contextlib.nullcontext():
-        return _run(arm, seed, before, after)
+    with guard_as_on_a_gpu() if "GPU" in arm else contextlib.nullcontext():
+        return _run(scenario, arm, seed, before, after)
 
 
-def _run(arm: str, seed: int, before: int, after: int) -> dict[str, Any]:
+def second_stage(scenario: str, after: int, batches: list, base_lr: float) -> Callable[[int], tuple[Any, float]]:
+    """The second stage's (batch, learning rate) at each of its steps under ``scenario``."""
+    if scenario == "new regime":
+        return lambda i: (batches[i % len(batches)], base_lr)
+    if scenario == "learning rate x100":
+        start, length = after // 8, max(1, after // 40)
+        return lambda i: (batches[i % len(batches)], base_lr * (LR_FACTOR if start <= i < start + length else 1.0))
+    period = max(2, after // 16)
+
+    def poisoned(i: int) -> tuple[Any, float]:
+        x, y = batches[i % len(batches)]
+        if i % period == period // 2:
+            return (x * POISON_SCALE, y.roll(1)), base_lr
+        return (x, y), base_lr
+    return poisoned
+
+
+def _run(scenario: str, arm: str, seed: int, before: int, after: int) -> dict[str, Any]:
     from bench.overhead import make_workload
     from hybrid_trainer import HybridConfig, HybridTrainer
     from hybrid_trainer.errors import TrainingStalledError
@@ -65,20 +94,29 @@ def _run(arm: str, seed: int, before: int, after: int) -> dict[str, Any]:
             workload.loss_fn(model, batch).backward()
             optimizer.step()
     else:
+        divergence = {"blame_lone_alarms_on_the_batch": False} if arm.endswith("each alarm refused") else {}
         trainer = HybridTrainer(model, optimizer, workload.loss_fn,
-                                HybridConfig(seed=seed, predict=False, read_every=1 if arm == ARMS[1] else 16))
+                                HybridConfig(seed=seed, predict=False, read_every=16 if "GPU" in arm else 1,
+                                             divergence=divergence))
         step = trainer.step
     batches = workload.batches
+    first = batches[:SEEN] if scenario == "new regime" else batches
     for i in range(before):
-        step(batches[i % SEEN])
-    refused = rollbacks = 0
+        step(first[i % len(first)])
+    counted = ("skipped_steps", "divergence_rollbacks")
+    at_start = {}
     if trainer is not None:
         trainer.statistics()  # settles a block still waiting
-        refused, rollbacks = trainer.stats.skipped_steps, trainer.stats.divergence_rollbacks
+        at_start = {key: getattr(trainer.stats, key) for key in counted}
+        at_start["tolerated"] = trainer.monitor.tolerated
+    stage = second_stage(scenario, after, batches, workload.lr)
     stalled_at = None
     try:
         for i in range(after):
-            step(batches[i % len(batches)])
+            batch, lr = stage(i)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            step(batch)
         if trainer is not None:
             trainer.statistics()
     except TrainingStalledError:
@@ -87,38 +125,47 @@ def _run(arm: str, seed: int, before: int, after: int) -> dict[str, Any]:
         final = statistics.fmean(float(workload.loss_fn(model, b)) for b in batches)
     out = dict(final_loss=final, stalled_at=stalled_at)
     if trainer is not None:
-        out.update(refused=trainer.stats.skipped_steps - refused,
-                   rollbacks=trainer.stats.divergence_rollbacks - rollbacks, steps=trainer.step_count,
+        out.update(refused=trainer.stats.skipped_steps - at_start["skipped_steps"],
+                   rollbacks=trainer.stats.divergence_rollbacks - at_start["divergence_rollbacks"],
+                   tolerated=trainer.monitor.tolerated - at_start["tolerated"], steps=trainer.step_count,
                    read_every=trainer.guard.deferred.every if trainer.guard.deferred is not None else 1,
-                   as_on_gpu=not trainer.guard.reads_free)
+                   as_on_gpu=not trainer.guard.reads_free,
+                   tolerates=trainer.monitor.blame_lone_alarms_on_the_batch)
         trainer.close()
     return out
 
 
 def report(result: dict[str, Any], meta: dict[str, Any]) -> str:
-    lines = [f"What the guard's false alarms cost (CPU, the tiny MLP: {result['before']} steps over 48 of its 64 "
-             f"batches, then {result['after']} over all 64), `{meta['command']}` ({meta['date']}, commit "
-             f"{str(meta['git_commit'])[:10]}{' (dirty tree)' if meta['git_dirty'] else ''}). Per arm, the median "
-             f"over {len(result['seeds'])} seeds (each seed's value in brackets): steps refused and rollbacks in "
-             "the second stage, and the mean loss over the 64 batches at its end.", "",
-             "| arm | steps refused | rollbacks | stopped by the guard | final loss |", "|---|---|---|---|---|"]
-    for arm, runs in result["arms"].items():
-        def cell(key: str, fmt: str = "{:.0f}") -> str:
-            values = [r.get(key) for r in runs]
-            if any(v is None for v in values):
-                return "–"
-            return f"{fmt.format(statistics.median(values))} [{', '.join(fmt.format(v) for v in values)}]"
-        stopped = [r["stalled_at"] for r in runs]
-        said = ", ".join("no" if s is None else f"at step {s}" for s in stopped)
-        lines.append(f"| {arm} | {cell('refused')} | {cell('rollbacks')} | {said} | {cell('final_loss', '{:.4f}')} |")
-    return "\n".join(lines) + "\n"
+    lines = [f"What the divergence guard costs and saves (CPU, the tiny MLP: {result['before']} steps, then "
+             f"{result['after']} in which the scenario happens), `{meta['command']}` ({meta['date']}, commit "
+             f"{str(meta['git_commit'])[:10]}{' (dirty tree)' if meta['git_dirty'] else ''}). Per scenario and "
+             f"arm, the median over {len(result['seeds'])} seeds (each seed's value in brackets): steps refused, "
+             "rollbacks and lone outliers tolerated in the second stage, and the mean loss over the 64 clean "
+             "batches at its end.", ""]
+    for scenario, arms in result["scenarios"].items():
+        lines += [f"**{scenario}**", "",
+                  "| arm | steps refused | rollbacks | outliers tolerated | stopped by the guard | final loss |",
+                  "|---|---|---|---|---|---|"]
+        for arm, runs in arms.items():
+            def cell(key: str, fmt: str = "{:.0f}") -> str:
+                values = [r.get(key) for r in runs]
+                if any(v is None for v in values):
+                    return "–"
+                return f"{fmt.format(statistics.median(values))} [{', '.join(fmt.format(v) for v in values)}]"
+            stopped = [r["stalled_at"] for r in runs]
+            said = ", ".join("no" if s is None else f"at step {s}" for s in stopped)
+            lines.append(f"| {arm} | {cell('refused')} | {cell('rollbacks')} | {cell('tolerated')} | {said} | "
+                         f"{cell('final_loss', '{:.4f}')} |")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--before", type=int, default=2280, help="steps over the first 48 batches")
-    parser.add_argument("--after", type=int, default=1600, help="steps over all 64 batches")
+    parser.add_argument("--before", type=int, default=2280, help="steps of the first stage")
+    parser.add_argument("--after", type=int, default=1600, help="steps of the second stage, the scenario's")
+    parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.seeds < 1 or args.before < 1 or args.after < 1:
@@ -129,8 +176,9 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     logging.getLogger("hybrid_trainer").setLevel(logging.ERROR)  # a warning per refused step
     seeds = list(range(args.seeds))
-    arms = {arm: [run_arm(arm, seed, args.before, args.after) for seed in seeds] for arm in ARMS}
-    result = dict(before=args.before, after=args.after, seeds=seeds, arms=arms)
+    scenarios = {scenario: {arm: [run_arm(scenario, arm, seed, args.before, args.after) for seed in seeds]
+                            for arm in ARMS} for scenario in args.scenarios}
+    result = dict(before=args.before, after=args.after, seeds=seeds, scenarios=scenarios)
     write_results(args.out, "spike_cost", dict(meta=meta, result=result), report(result, meta))
 
 
