@@ -88,23 +88,26 @@ def test_reading_the_good_state_between_steps_takes_a_due_snapshot_at_once(strea
     assert all(torch.equal(s, w) for s, w in zip(checkpoint["good_state"]["params"], weights))
 
 
-def test_a_spike_rolls_back_to_the_snapshot_written_behind_its_own_step(stream):
+@pytest.mark.parametrize("lone_is_the_batchs", [False, True])
+def test_a_spike_rolls_back_to_the_snapshot_written_behind_its_own_step(stream, lone_is_the_batchs):
     calls = {"n": 0}
 
     def spiking_loss(model, batch):
         calls["n"] += 1
         loss = cross_entropy(model, batch)
         return loss * 50.0 if calls["n"] == 7 else loss
-    # Every spike rolls back here (a lone one is refused without a rollback by default): the
-    # rollback to a snapshot written behind the step is what is tested.
-    trainer = steady_trainer(divergence={"min_history": 3, "blame_lone_alarms_on_the_batch": False})
+    # With every spike rolling back (the rule before), back to the snapshot written behind the
+    # step; a lone spike (the default) is refused and leaves the state as before the step, which
+    # is that snapshot's too.
+    trainer = steady_trainer(divergence={"min_history": 3, "blame_lone_alarms_on_the_batch": lone_is_the_batchs})
     trainer.loss_fn = spiking_loss
     for batch in stream[:6]:
         trainer.step(batch)
     weights = [p.detach().clone() for p in trainer.params]
     buffers = [b.clone() for b in trainer.model.buffers()]
-    result = trainer.step(stream[6])  # takes the due snapshot, then spikes: back to it
-    assert result.skipped and result.rolled_back
+    result = trainer.step(stream[6])  # takes the due snapshot, then spikes
+    assert result.skipped and result.rolled_back is not lone_is_the_batchs
+    assert trainer.good_state.step == 5 and trainer.guard.snapshot_due is None
     assert all(torch.equal(p, w) for p, w in zip(trainer.params, weights))
     assert all(torch.equal(b, s) for b, s in zip(trainer.model.buffers(), buffers))
 
