@@ -170,7 +170,7 @@ class DeferredChecks:
             values.append((loss_value, norm_value))
 
         monitor, stats = guard.monitor, guard.stats
-        limits = monitor.quiet_limits()
+        limits = monitor.block_limits(values)
         for index, ((result, _, _), (loss_value, norm_value)) in enumerate(zip(pending, values)):
             if limits is not None and limits.quiet(loss_value, norm_value):
                 monitor.observe_quiet(loss_value, norm_value)

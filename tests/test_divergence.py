@@ -568,6 +568,25 @@ def test_quiet_limits_never_pass_what_check_would_flag(history, loss, grad_norm)
         assert set(report.kinds) <= {"oscillation"}, report.reasons
 
 
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(history=st.lists(st.tuples(st.floats(0.01, 100), st.floats(1e-6, 100)), min_size=0, max_size=70),
+       block=st.lists(st.tuples(st.one_of(st.floats(-1e3, 1e4), st.sampled_from([math.nan, math.inf])),
+                                st.one_of(st.none(), st.floats(0, 1e5), st.sampled_from([math.nan, math.inf]))),
+                      min_size=1, max_size=16))
+def test_block_limits_judge_a_block_as_quiet_limits_do(history, block):
+    """The cheap bounds a block is judged by when all its values are inside them pass none that
+    quiet_limits would not; otherwise they are quiet_limits themselves."""
+    monitor = DivergenceMonitor(window=20, min_history=5)
+    for value, norm in history:
+        monitor.observe(value, norm)
+    exact, limits = monitor.quiet_limits(), monitor.block_limits(block)
+    if exact is None:
+        assert limits is None
+        return
+    if limits != exact:  # the cheap bounds: every value inside them, and inside the exact ones
+        assert all(limits.quiet(loss, norm) and exact.quiet(loss, norm) for loss, norm in block)
+
+
 def test_quiet_limits_need_a_history_and_bound_the_rules_exactly():
     monitor = DivergenceMonitor(window=10, min_history=3, loss_z_warning=3.0, grad_explosion_factor=10.0)
     assert monitor.quiet_limits() is None
