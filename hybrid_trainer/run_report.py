@@ -80,8 +80,9 @@ class PendingStepResult(StepResult):
         """The step's values as read; a non-finite loss is reported as None, like a refused step's."""
         self._on_device = None
         finite = loss == loss and abs(loss) != float("inf")
-        self.loss = loss if finite else None
-        self.grad_norm = grad_norm if finite and self._has_norm else None
+        values = self.__dict__  # where the two properties keep them: no setter call a step
+        values["_loss"] = loss if finite else None
+        values["_grad_norm"] = grad_norm if finite and self._has_norm else None
 
     def _read_device_values(self) -> None:
         loss, *norms = torch.stack(self._on_device).tolist()
