@@ -1,6 +1,7 @@
-"""What the divergence guard costs a run where nothing is wrong, and what it saves one where
-something is, read per step or once per block, with each alarm refused or lone outliers tolerated
-(CPU).
+"""What the divergence guard costs a healthy run and saves a faulty one, on the CPU.
+
+Read per step or once per block, with every alarm refused (the rule before) or a lone alarm taken
+for the batch's:
 
     python -m experiments.spike_cost [--seeds 3] [--before 2280] [--after 1600] [--scenarios ...]
 
@@ -162,11 +163,11 @@ def report(result: dict[str, Any], meta: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--seeds", type=int, default=3, help="seeds per arm and scenario (0, 1, ...)")
     parser.add_argument("--before", type=int, default=2280, help="steps of the first stage")
     parser.add_argument("--after", type=int, default=1600, help="steps of the second stage, the scenario's")
     parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for spike_cost.{json,md}")
     args = parser.parse_args(argv)
     if args.seeds < 1 or args.before < 1 or args.after < 1:
         parser.error(f"--seeds, --before and --after must be >= 1, got {args.seeds}, {args.before}, {args.after}")
