@@ -466,8 +466,8 @@ class DivergenceMonitor:
         Args:
             loss: the step's loss, or None when no loss was computed (only grad tests run then).
             grad_norm: global L2 gradient norm, or None when no backward pass was done.
-            count: add the report's kinds to :attr:`counts` and count the check as a step judged (a
-                lone outlier, ``blame_lone_alarms_on_the_batch``, is one whose counted check before it raised
+            count: add the report's kinds to :attr:`counts` and count the check as a step judged (a lone
+                alarm, ``blame_lone_alarms_on_the_batch``, is one whose counted check before it raised
                 nothing critical). Pass False to re-check the same step without double counting; the
                 statistics themselves are never changed by ``check``.
         """
@@ -748,8 +748,9 @@ class DivergenceMonitor:
 
         The monitor's own constructor settings win over ``state["config"]`` (thresholds may be retuned on
         resume); history longer than this monitor's window is truncated to the most recent values. A state
-        written before some keys existed (kinds of signal added later, the refusal run, the run of critical checks and the tolerated count, the remembered
-        window) loads with zeros and no remembered window for them.
+        written before some keys existed (kinds of signal added later, the refusal run, the run of critical
+        checks, the tolerated count, the remembered window) loads with zeros and no remembered window for
+        them.
         """
         if not isinstance(state, dict):
             raise ValueError(f"state must be a dict from DivergenceMonitor.state_dict(), got {type(state).__name__}")

@@ -20,9 +20,10 @@ at once (:meth:`StepGuard.settled_good_state`).
 
 What a refused step leaves: the weights and optimizer state as before the step (a non-finite
 loss or gradient, or a lone spike: the monitor takes one for the batch's) or as in the last good
-state (a spike right after another critical step, or found at a block's read); the module buffers
-as before the step's forward (:class:`~hybrid_trainer.buffer_guard.BufferGuard`; the forward of a NaN batch
-would otherwise write NaN into batch-norm statistics for good) or the good state's.
+state (a spike right after another critical step, or one whose update ran before it was judged);
+the module buffers as before the step's forward (:class:`~hybrid_trainer.buffer_guard.BufferGuard`;
+the forward of a NaN batch would otherwise write NaN into batch-norm statistics for good) or the
+good state's.
 
 When the guard cannot make progress it escalates (:meth:`StepGuard.escalate`): after
 ``max_refused_in_a_row`` refusals in a row (``HybridConfig.divergence``; default 20), when a
