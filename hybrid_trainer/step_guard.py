@@ -422,9 +422,9 @@ class StepGuard:
         ``judged_later``: the step's checks waited (:mod:`~hybrid_trainer.deferred_checks`); its
         non-finite update was skipped and its buffers put back where it ran, and its gradients
         are gone, so only the judgment is left to do. ``update_ran``: the step's update was
-        launched before its values were read (:meth:`steps_on_device`), skipped on the device
-        only if non-finite. In both, a finite spike's update ran, so it always goes back to the
-        good state."""
+        launched before its values were read (:meth:`steps_on_device`, skipped on the device
+        only if non-finite) or applied inside the backward (``step_in_backward``). In both, a
+        finite spike's update ran, so it always goes back to the good state."""
         if not judged_later:
             self.optimizer.zero_grad(set_to_none=True)
             if self.scaler is not None:

@@ -379,7 +379,9 @@ class HybridTrainer:
             if undone:  # memory plan: undo the finite updates already made
                 guard.good_state.restore(self.optimizer)
                 self.stats.divergence_rollbacks += 1
-            result = self._refused_step(phase, total, grad_norm, report, lrs, update_ran=overlapped)
+            # Launched before the read, or applied inside the backward: the update ran already.
+            update_ran = overlapped or self.in_backward is not None
+            result = self._refused_step(phase, total, grad_norm, report, lrs, update_ran=update_ran)
             result.rolled_back = result.rolled_back or undone
             return result
 

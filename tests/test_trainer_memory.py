@@ -138,6 +138,30 @@ def test_nan_gradient_after_partial_updates_is_undone(knobs, stream):
     assert trainer.step(stream[7]).loss is not None  # training goes on
 
 
+@pytest.mark.parametrize("knobs", ["in-backward", "all"])
+def test_a_lone_spike_whose_update_ran_in_the_backward_goes_back_to_the_good_state(knobs, stream):
+    """With the step inside the backward a finite spike's update has run before the guard reads the
+    loss: refused, even a lone one goes back to the good state (a lone spike whose update has not
+    run is refused without a rollback), and the weights are the good state's."""
+    trainer = make_trainer(knobs=knobs, divergence={"min_history": 3})
+    for b in stream[:12]:
+        trainer.step(b)
+    x, y = stream[12]
+    calls = {"n": 0}
+    plain_loss = trainer.loss_fn
+
+    def spiking(model, batch):  # 50 times the loss (a loss jump) on this one call
+        calls["n"] += 1
+        return plain_loss(model, batch) * 50.0
+    trainer.loss_fn = spiking
+    result = trainer.step((x, y))
+    trainer.loss_fn = plain_loss
+    assert calls["n"] == 1 and result.skipped and result.rolled_back
+    assert trainer.stats.divergence_rollbacks == 1
+    for p, saved in zip(trainer.params, trainer.good_state.state_dict()["params"]):
+        assert torch.equal(p.detach(), saved.to(p.dtype))
+
+
 def test_nan_gradient_without_good_state_never_reaches_the_weights(stream):
     trainer = make_trainer(knobs="all", good_state_every=0)
     assert any("partly applied" in g for g in trainer.memory_plan.guarantees_given_up)
