@@ -677,22 +677,24 @@ def test_a_queueing_device_gets_one_host_read_per_real_step(stream, monkeypatch)
         assert torch.equal(p, q)
 
 
-def test_a_lone_spike_whose_update_ran_goes_back_to_the_good_state(stream):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA: the update launched before the read"))])
+def test_a_lone_spike_whose_update_ran_goes_back_to_the_good_state(stream, device):
     # A lone spike is taken for the batch's and refused without a rollback only where its update
     # has not run: launched before the read (a fused optimizer on a GPU), it ran on the device,
     # and only the good state undoes it.
     runs = {}
     for overlap in (False, True):
-        trainer = make_trainer(opt="adamw-fused", predict=False, good_state_every=5, divergence={"min_history": 5},
-                               read_every=1)
+        trainer = make_trainer(opt="adamw-fused", device=device, predict=False, good_state_every=5,
+                               divergence={"min_history": 5}, read_every=1)
         trainer.guard.overlap = overlap  # the CPU runs the overlapped logic too
         trainer.loss_fn = spiking_loss_on_call(20)
-        runs[overlap] = (trainer, [trainer.step(b) for b in stream[:20]])
+        runs[overlap] = (trainer, [trainer.step((x.to(device), y.to(device))) for x, y in stream[:20]])
     (_, read_first), (launched, overlapped) = runs[False], runs[True]
     assert read_first[19].skipped and not read_first[19].rolled_back
     assert overlapped[19].skipped and overlapped[19].rolled_back
     for p, saved in zip(launched.params, launched.good_state.state_dict()["params"]):
-        assert torch.equal(p.detach(), saved)
+        assert torch.equal(p.detach().cpu(), saved.cpu())  # a GPU keeps the good state in host memory
 
 
 def spiking_loss_on_call(n: int):
