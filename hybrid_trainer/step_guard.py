@@ -115,10 +115,15 @@ def squares_by_dots(grads: list[torch.Tensor]) -> float:
     biases and norm scales are vectors (half the 1 ms MLP's six gradients)."""
     dtype = grads[0].dtype if grads else None
     routine = self_dot_routine(dtype)
-    # What the routine reads must be what it is told: one dtype, contiguous, on the host.
-    if routine is not None and all(g.is_cpu and g.dtype is dtype and g.is_contiguous() and g.numel() < BLAS_INT_LIMIT
-                                   for g in grads):
-        return math.fsum(list(map(routine, grads)))
+    if routine is not None:
+        # What the routine reads must be what it is told: one dtype, contiguous, on the host. A
+        # loop, not all() over a generator: 1.4 µs less a read of six gradients, 4.1 of forty
+        # (timeit, the two interleaved on one core).
+        for g in grads:
+            if not (g.is_cpu and g.dtype is dtype and g.is_contiguous() and g.numel() < BLAS_INT_LIMIT):
+                break
+        else:
+            return math.fsum(list(map(routine, grads)))
     return math.fsum([torch.dot(flat, flat).item() for flat in [g if g.ndim == 1 else g.view(-1) for g in grads]])
 
 
