@@ -520,9 +520,14 @@ class HybridTrainer:
     def _clear_stale_grads(self) -> None:
         """Every step ends by setting the gradients to None, so only gradients left by someone
         else (the caller's own backward, a step that raised) need clearing; a zero_grad with
-        nothing to clear still costs 30-45 µs per step (its profiler scope) on the MLP benchmarks."""
-        if any(p.grad is not None for group in self.optimizer.param_groups for p in group["params"]):
-            self.optimizer.zero_grad(set_to_none=True)
+        nothing to clear still costs 30-45 µs per step (its profiler scope) on the MLP benchmarks.
+        A loop, not any() over a generator: 0.4 µs less a step for six tensors, 1.2 for forty
+        (timeit, the two interleaved on one core)."""
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.optimizer.zero_grad(set_to_none=True)
+                    return
 
     def _deferred_step(self, loss: torch.Tensor, phase: Phase, lrs: tuple[float, ...]) -> PendingStepResult:
         """The rest of a real step whose checks wait for the guard's next read: the update is
