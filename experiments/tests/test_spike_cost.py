@@ -25,7 +25,7 @@ def test_each_arm_runs_the_guard_it_names_in_each_scenario_and_the_report_has_a_
     assert step_guard.reads_are_free(torch.device("cpu"))  # put back after the arm was built
 
 
-def test_the_scenarios_change_what_they_say_and_only_in_the_second_stage():
+def test_each_scenario_changes_what_it_says_in_the_second_stage():
     batches = [(torch.ones(2, 3) * i, torch.tensor([0, 1])) for i in range(4)]
     regime = spike_cost.second_stage("new regime", 160, batches, 1e-3)
     assert all(regime(i) == (batches[i % 4], 1e-3) for i in range(160))
