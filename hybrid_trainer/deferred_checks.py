@@ -30,8 +30,10 @@ queued values at once and the monitor judges them in order:
   block's later steps too.
 
 Judging a block: each value is compared with limits computed from the monitor's window as it
-stood at the start of the block (:meth:`DivergenceMonitor.quiet_limits`), and only a value
-beyond them gets the monitor's full per-value check. Inside a block the limits do not follow the
+stood at the start of the block (:meth:`DivergenceMonitor.quiet_limits`; a block whose values
+are all inside the window's cheaper bounds of a surely quiet step needs neither those limits
+nor a test a value, :meth:`DivergenceMonitor.block_is_quiet`), and only a value beyond them gets
+the monitor's full per-value check. Inside a block the limits do not follow the
 steps already accepted in it, so a slowly falling loss is judged against a slightly higher
 level than a per-step check would use; the oscillation warning is looked at once per block.
 
@@ -170,9 +172,10 @@ class DeferredChecks:
             values.append((loss_value, norm_value))
 
         monitor, stats = guard.monitor, guard.stats
-        limits = monitor.block_limits(values)
+        quiet_block = monitor.block_is_quiet(values)  # nearly every block: no limits, no test a step
+        limits = None if quiet_block else monitor.quiet_limits()
         for index, ((result, _, _), (loss_value, norm_value)) in enumerate(zip(pending, values)):
-            if limits is not None and limits.quiet(loss_value, norm_value):
+            if quiet_block or (limits is not None and limits.quiet(loss_value, norm_value)):
                 monitor.observe_quiet(loss_value, norm_value)
                 result.divergence = "OK"
                 continue

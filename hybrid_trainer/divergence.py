@@ -400,19 +400,18 @@ class DivergenceMonitor:
         return len(self._losses)
 
     # ------------------------------------------------------------------ blocks of steps
-    def block_limits(self, values: Sequence[tuple[float, float | None]]) -> QuietLimits | None:
-        """The limits a block of steps' ``(loss, grad norm)`` values are judged by: the window's
-        bounds of a surely quiet step (the ones :meth:`check` compares with first: no pass over
-        the window, kept until it changes) when every value is within them, as nearly every
-        block's are; else :meth:`quiet_limits`, which passes over the window twice. The same
-        decisions either way: those bounds lie inside :meth:`quiet_limits`' (the largest loss,
-        a lower bound of the spread, the oscillation test included)."""
-        if self._losses:
-            ceiling, floor, grad_ceiling = self._bounds or self._quiet_bounds()
-            if all(-math.inf < loss <= ceiling and (norm is None or floor <= norm <= grad_ceiling)
-                   for loss, norm in values):
-                return QuietLimits(ceiling, grad_ceiling, floor)
-        return self.quiet_limits()
+    def block_is_quiet(self, values: Sequence[tuple[float, float | None]]) -> bool:
+        """Whether every one of a block of steps' ``(loss, grad norm)`` values lies inside the
+        window's bounds of a surely quiet step (the ones :meth:`check` compares with first: no
+        pass over the window, kept until it changes), as nearly every block's do. Those bounds
+        lie inside :meth:`quiet_limits`' (the largest loss, a lower bound of the spread, the
+        oscillation test included), so such a block needs no :meth:`quiet_limits`, which passes
+        over the window twice, and none of its values a test of its own."""
+        if not self._losses:
+            return False
+        ceiling, floor, grad_ceiling = self._bounds or self._quiet_bounds()
+        return all(-math.inf < loss <= ceiling and (norm is None or floor <= norm <= grad_ceiling)
+                   for loss, norm in values)
 
     def quiet_limits(self) -> QuietLimits | None:
         """Bounds inside which a step's loss and gradient norm raise nothing against the window as

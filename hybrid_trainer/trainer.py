@@ -437,7 +437,8 @@ class HybridTrainer:
     def _refused_step(self, phase: Phase, total: float, grad_norm: float | None, report: Any,
                       lrs: tuple[float, ...], update_ran: bool = False) -> StepResult:
         """A real step whose update the guard refused (:meth:`StepGuard.refuse_update`;
-        ``update_ran``: launched before the read, :meth:`StepGuard.steps_on_device`)."""
+        ``update_ran``: the update ran before the read, launched first
+        (:meth:`StepGuard.steps_on_device`) or inside the backward)."""
         rolled_back = self.guard.refuse_update(total, grad_norm, report, self.step_count, update_ran=update_ran)
         self.controller.force_full()
         return StepResult(step=self.step_count, phase=phase.value, loss=total if math.isfinite(total) else None,
