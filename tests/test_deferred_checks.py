@@ -213,6 +213,37 @@ def test_a_lone_outlier_found_at_the_read_stands_and_nothing_is_discarded():
     assert_same_state(trainer.optimizer.state_dict(), clean.optimizer.state_dict())
 
 
+def test_a_second_outlier_in_a_row_found_at_the_read_goes_back_and_undoes_the_tolerated_first():
+    # Weights gone wrong make every batch lose more: the second critical step in a row (higher
+    # still: one as high is no outlier against the window the first widened) is the weights', and
+    # the good state (taken before the block) undoes the tolerated first one too; the block's
+    # later steps are discarded.
+    batches = _batches(80)
+    model, trainer = _make(8, good_state_every=6)
+    done = _steps_until_a_read(trainer, batches)
+    done += _steps_until_a_read(trainer, batches[done:])  # a second block, so the good state is a read's
+    reference, again = _make(8, good_state_every=6)
+    for b in batches[:done]:
+        again.step(b)
+    again.close()
+    calls = {"n": 0}
+
+    def louder(model, batch):  # 10 and 50 times the loss on the block's 2nd and 3rd steps, the same gradient
+        calls["n"] += 1
+        loss = _loss(model, batch)
+        return loss + {2: 9, 3: 49}.get(calls["n"], 0) * loss.detach()
+
+    trainer.loss_fn = louder
+    results = [trainer.step(b) for b in batches[done:done + 8]]  # the 8th brings the read
+    assert results[1].divergence == "WARNING" and trainer.monitor.tolerated == 1
+    assert results[2].skipped and results[2].rolled_back and "loss z-score" in results[2].divergence
+    assert all(r.skipped and r.divergence.startswith("discarded") for r in results[3:])
+    assert trainer.stats.divergence_rollbacks == 1 and trainer.stats.skipped_steps == 6
+    for name, tensor in reference.state_dict().items():  # the weights as at the good state
+        assert torch.equal(model.state_dict()[name], tensor), name
+    assert_same_state(trainer.optimizer.state_dict(), again.optimizer.state_dict())
+
+
 def test_after_a_rollback_each_step_is_read_until_the_next_good_state_then_blocks_again():
     # A refused step found at a block's read discards the block's later steps too, and
     # refusals come in runs: from a rollback until a good state is taken, steps are read one

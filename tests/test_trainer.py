@@ -609,6 +609,36 @@ def test_loss_spike_restores_the_last_good_state(stream):
     assert not trainer.step(stream[17]).skipped  # and training goes on
 
 
+def test_a_hard_batch_stands_and_a_second_in_a_row_goes_back_to_the_good_state(stream):
+    # A hard batch: the loss far above the window (a z-score outlier, below the loss-jump bound)
+    # with an ordinary gradient. Alone it is taken for the batch's: its update stands, the weights
+    # a clean run's bit for bit, and its loss joins the window. A second outlier in a row (higher
+    # still, as a divergence's losses climb: one as high is no outlier against the widened
+    # window) is the weights': back to the good state, taken before the first, which undoes it too.
+    calls = {"n": 0}
+
+    def hard(model, batch):
+        calls["n"] += 1
+        loss = cross_entropy(model, batch)
+        return loss + {16: 10.0, 17: 40.0}.get(calls["n"], 0.0)
+
+    divergence = {"min_history": 5}
+    trainer = make_trainer(good_state_every=5, divergence=divergence)
+    clean = make_trainer(good_state_every=5, divergence=divergence)
+    trainer.loss_fn = hard
+    results = [trainer.step(b) for b in stream[:16]]
+    for b in stream[:16]:
+        clean.step(b)
+    assert results[15].divergence == "WARNING" and not results[15].skipped and trainer.monitor.tolerated == 1
+    for p, c in zip(trainer.params, clean.params):
+        assert torch.equal(p.detach(), c.detach())
+    second = trainer.step(stream[16])
+    assert second.skipped and second.rolled_back and "loss z-score" in second.divergence
+    for p, s in zip(trainer.params, trainer.good_state.state_dict()["params"]):
+        assert torch.equal(p.detach(), s)
+    assert trainer.good_state.step <= 15
+
+
 def test_loss_spike_restores_the_optimizer_state_of_the_last_good_state(stream):
     """AdamW's exp_avg, exp_avg_sq and step go back to their values when the good state was
     taken, not those of the steps since (restoring the weights alone would keep them)."""
