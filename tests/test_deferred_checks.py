@@ -162,17 +162,31 @@ def _steps_until_a_read(trainer, batches):
     raise AssertionError("no read came")
 
 
-def test_a_spike_goes_back_to_the_good_state_and_discards_the_steps_after_it():
-    batches = _batches(60)
+def _two_reads_in(batches):
+    """A read_every=8 trainer (and its model) two reads into ``batches``, so that its good state
+    is a read's; how many steps that took; and a twin (model, trainer) stepped as far and closed,
+    whose state is that good state."""
     model, trainer = _make(8, good_state_every=6)
     done = _steps_until_a_read(trainer, batches)
-    done += _steps_until_a_read(trainer, batches[done:])  # a second block, so the good state is a read's
-    good_step = trainer.good_state.step
-    assert good_step == done - 1
+    done += _steps_until_a_read(trainer, batches[done:])
     reference, again = _make(8, good_state_every=6)
     for b in batches[:done]:
         again.step(b)
     again.close()
+    return model, trainer, done, reference, again
+
+
+def _assert_back_at_the_good_state(model, trainer, reference, again):
+    """The weights and optimizer state are the twin's of :func:`_two_reads_in`: the good state's."""
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[name], tensor), name
+    assert_same_state(trainer.optimizer.state_dict(), again.optimizer.state_dict())
+
+
+def test_a_spike_goes_back_to_the_good_state_and_discards_the_steps_after_it():
+    batches = _batches(60)
+    model, trainer, done, reference, again = _two_reads_in(batches)
+    assert trainer.good_state.step == done - 1
     spike_at = done + 2
     batches[spike_at] = (batches[spike_at][0] * 1e4, batches[spike_at][1])  # far above the window
     results = [trainer.step(b) for b in batches[done:done + 8]]  # the 8th brings the read
@@ -181,9 +195,7 @@ def test_a_spike_goes_back_to_the_good_state_and_discards_the_steps_after_it():
     assert results[2].skipped and results[2].rolled_back and "loss" in results[2].divergence
     assert all(r.skipped and r.rolled_back and r.divergence.startswith("discarded") for r in results[3:])
     assert trainer.stats.divergence_rollbacks == 1 and trainer.stats.skipped_steps == 6
-    for name, tensor in reference.state_dict().items():  # the weights as at the good state
-        assert torch.equal(model.state_dict()[name], tensor), name
-    assert_same_state(trainer.optimizer.state_dict(), again.optimizer.state_dict())
+    _assert_back_at_the_good_state(model, trainer, reference, again)
 
 
 def test_a_lone_outlier_found_at_the_read_stands_and_nothing_is_discarded():
@@ -219,13 +231,7 @@ def test_a_second_outlier_in_a_row_found_at_the_read_goes_back_and_undoes_the_to
     # the good state (taken before the block) undoes the tolerated first one too; the block's
     # later steps are discarded.
     batches = _batches(80)
-    model, trainer = _make(8, good_state_every=6)
-    done = _steps_until_a_read(trainer, batches)
-    done += _steps_until_a_read(trainer, batches[done:])  # a second block, so the good state is a read's
-    reference, again = _make(8, good_state_every=6)
-    for b in batches[:done]:
-        again.step(b)
-    again.close()
+    model, trainer, done, reference, again = _two_reads_in(batches)
     calls = {"n": 0}
 
     def louder(model, batch):  # 10 and 50 times the loss on the block's 2nd and 3rd steps, the same gradient
@@ -239,9 +245,7 @@ def test_a_second_outlier_in_a_row_found_at_the_read_goes_back_and_undoes_the_to
     assert results[2].skipped and results[2].rolled_back and "loss z-score" in results[2].divergence
     assert all(r.skipped and r.divergence.startswith("discarded") for r in results[3:])
     assert trainer.stats.divergence_rollbacks == 1 and trainer.stats.skipped_steps == 6
-    for name, tensor in reference.state_dict().items():  # the weights as at the good state
-        assert torch.equal(model.state_dict()[name], tensor), name
-    assert_same_state(trainer.optimizer.state_dict(), again.optimizer.state_dict())
+    _assert_back_at_the_good_state(model, trainer, reference, again)
 
 
 def test_after_a_rollback_each_step_is_read_until_the_next_good_state_then_blocks_again():
