@@ -459,3 +459,92 @@ def test_16_bit_gradients_queue_their_norms_in_float32():
     assert [n.dtype for n in norms] == [torch.float32] * 2
     for norm, p in zip(norms, trainer.params):
         assert norm.item() == pytest.approx(p.grad.float().norm().item(), rel=1e-6)
+
+
+def _norms_as_views_of_one_vector(monkeypatch):
+    """``torch._foreach_norm`` returning its norms as CUDA's does: one k-entry vector, a 0-d view
+    of each entry (the CPU's returns a tensor per norm). The same values, bit for bit."""
+    original = torch._foreach_norm
+
+    def foreach_norm(tensors, ord=2, dtype=None):
+        return list(torch.stack(original(tensors, ord, dtype=dtype)).unbind())
+    monkeypatch.setattr(torch, "_foreach_norm", foreach_norm)
+
+
+def _run_with_a_nan_and_a_spike(fused):
+    """Three blocks of 8: a non-finite batch in the second, a spike (a loss far above the window
+    with a gradient 30 times the usual) in the third, and a step read before its block."""
+    from bench.protocol import guard_as_on_a_gpu
+
+    batches = _batches(24 + 24)
+    batches[24 + 10] = _with_nan_input(batches[24 + 10])
+    with guard_as_on_a_gpu():  # reads wait for the device: without a fused update, launch reads at once
+        model, trainer = _make(8, fused=fused, good_state_every=6)
+    for b in batches[:24]:
+        trainer.step(b)
+    calls = {"n": 0}
+
+    def spiking(model, batch):
+        calls["n"] += 1
+        loss = _loss(model, batch)
+        return 30 * loss if calls["n"] == 19 else loss
+
+    trainer.loss_fn = spiking
+    results = []
+    for b in batches[24:]:
+        results.append(trainer.step(b))
+        if len(results) == 3:
+            early = (results[-1].loss, results[-1].grad_norm)  # read before the block's read
+    queued = [values for _, values, _ in trainer.guard.deferred.pending]
+    trainer.close()
+    seen = [(r.loss, r.grad_norm, r.skipped, r.rolled_back, r.divergence) for r in results]
+    return model, trainer, seen, early, queued
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_norms_that_are_one_vectors_entries_are_queued_as_it_and_judged_the_same(fused, monkeypatch):
+    # Where _foreach_norm returns views of one vector (CUDA), a step queues [loss, vector]: the
+    # check and the read then take one tensor for the k norms. Everything the guard decides and
+    # reports, and the weights and optimizer state, are those of the norms queued one by one.
+    model, trainer, seen, early, _ = _run_with_a_nan_and_a_spike(fused)
+    _norms_as_views_of_one_vector(monkeypatch)
+    model_v, trainer_v, seen_v, early_v, queued_v = _run_with_a_nan_and_a_spike(fused)
+    assert trainer_v.guard.deferred._vector_layout_seen and not trainer.guard.deferred._vector_layout_seen
+    if fused:  # without a device-side skip each step is read as it is launched: nothing queued
+        assert queued_v and all(len(v) == 2 and v[1].shape == (len(trainer_v.params),) for v in queued_v)
+    assert seen_v == seen and early_v == early
+    assert any(s[2] and not s[3] for s in seen) and any(s[3] for s in seen)  # the NaN skipped, the spike rolled back
+    assert_same_state(_state(model_v, trainer_v), _state(model, trainer))
+
+
+def test_a_block_read_splits_steps_queued_both_ways():
+    from hybrid_trainer.run_report import split_read, stack_queued
+
+    vector = torch.tensor([3.0, 4.0])
+    queued = [[torch.tensor(1.0), torch.tensor(2.0), torch.tensor(5.0)],
+              [torch.tensor(6.0), vector],
+              [torch.tensor(7.0), torch.tensor(8.0)],
+              [torch.tensor(9.0), torch.tensor([10.0, 11.0, 12.0])]]
+    flat, vectors = stack_queued(queued)
+    assert vectors == [False, True, False, True]
+    assert split_read(queued, vectors, flat.tolist()) == [[1.0, 2.0, 5.0], [6.0, 3.0, 4.0], [7.0, 8.0],
+                                                          [9.0, 10.0, 11.0, 12.0]]
+    scalars_only = [queued[0], queued[2]]
+    flat, vectors = stack_queued(scalars_only)
+    assert split_read(scalars_only, vectors, flat.tolist()) == [[1.0, 2.0, 5.0], [7.0, 8.0]]
+
+
+def test_norms_are_taken_as_one_vector_only_when_they_are_its_entries_in_order():
+    from hybrid_trainer.deferred_checks import DeferredChecks
+
+    vector = torch.arange(4.0)
+    entries = list(vector.unbind())
+    assert DeferredChecks(8)._one_vector(entries) is vector
+    assert DeferredChecks(8)._one_vector([t.clone() for t in entries]) is None  # a tensor per norm
+    assert DeferredChecks(8)._one_vector(entries[::-1]) is None
+    assert DeferredChecks(8)._one_vector(list(torch.arange(5.0).unbind())[:4]) is None  # a longer vector
+    assert DeferredChecks(8)._one_vector(list(torch.arange(8.0)[::2].unbind())) is None  # strided
+    swapped = [entries[0], entries[2], entries[1], entries[3]]  # the ends right, the middle not
+    checks = DeferredChecks(8)
+    assert checks._one_vector(swapped) is None and not checks._vector_layout_seen
+    assert checks._one_vector(entries) is vector and checks._vector_layout_seen
