@@ -548,3 +548,31 @@ def test_norms_are_taken_as_one_vector_only_when_they_are_its_entries_in_order()
     checks = DeferredChecks(8)
     assert checks._one_vector(swapped) is None and not checks._vector_layout_seen
     assert checks._one_vector(entries) is vector and checks._vector_layout_seen
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's _foreach_norm layout: needs a GPU")
+def test_on_cuda_the_norms_are_queued_as_one_vector_and_judged_as_one_by_one(monkeypatch):
+    # What the emulation above assumes of CUDA's _foreach_norm, on the real one: the route is
+    # taken, and it decides, reports and trains as the norms queued one by one do.
+    from hybrid_trainer.deferred_checks import DeferredChecks
+
+    def run():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.ReLU(), torch.nn.Linear(24, 3)).cuda()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        trainer = HybridTrainer(model, optimizer, _loss, HybridConfig(predict=False, good_state_every=6, read_every=8))
+        batches = [(x.cuda(), y.cuda()) for x, y in _batches(27)]
+        batches[20] = _with_nan_input(batches[20])
+        results = [trainer.step(b) for b in batches]
+        queued = [values for _, values, _ in trainer.guard.deferred.pending]
+        trainer.close()
+        seen = [(r.loss, r.grad_norm, r.skipped, r.rolled_back, r.divergence) for r in results]
+        return model, trainer, seen, queued
+
+    model_v, trainer_v, seen_v, queued_v = run()
+    assert trainer_v.guard.deferred._vector_layout_seen
+    assert queued_v and all(len(v) == 2 and v[1].shape == (4,) for v in queued_v)
+    monkeypatch.setattr(DeferredChecks, "_one_vector", lambda self, norms: None)
+    model, trainer, seen, _ = run()
+    assert seen_v == seen and seen[20][2]  # the non-finite step skipped on the device
+    assert_same_state(_state(model_v, trainer_v), _state(model, trainer))
