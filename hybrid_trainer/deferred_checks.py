@@ -72,8 +72,9 @@ class DeferredChecks:
         self._flag_views: tuple[torch.Tensor, ...] = ()
         self._flags_taken = 0
         self._one: torch.Tensor | None = None
-        # Whether every entry of a vector of norms was seen to be its norm, in order (_one_vector).
-        self._vector_layout_seen = False
+        # Whether the gradient norms come as the entries of one vector, in order (_one_vector):
+        # None until the first step with norms looks.
+        self._vector_route: bool | None = None
 
     @property
     def due(self) -> bool:
@@ -104,7 +105,7 @@ class DeferredChecks:
         # ``float()`` of a float32 loss returns it, but only after a call through the dispatcher.
         values = [loss if loss.dtype is torch.float32 else loss.float()]
         if norms is not None:
-            vector = self._one_vector(norms) if len(norms) > 1 else None
+            vector = self._one_vector(norms) if len(norms) > 1 and self._vector_route is not False else None
             values += norms if vector is None else (vector,)
         optimizer = guard.optimizer
         if getattr(optimizer, "_step_supports_amp_scaling", False):
@@ -132,24 +133,25 @@ class DeferredChecks:
         each entry. Queued as that one vector, a step's values cost the device-side check and
         the block's read one tensor each instead of k (:func:`~hybrid_trainer.run_report.stack_queued`:
         the char-LM's 40 norms a step made the check 15 µs and the block's read 323 µs of
-        host dispatch, against 1.4 and 23; CPU, timeit). The ends are checked on every step (the
-        first norm at the vector's start, the last at its end, both views of it; ~1.2 µs), every
-        entry once: a ``_foreach_norm`` that returns its norms so does it on every call. Where
-        they are not (the CPU's ``_foreach_norm``: one tensor per norm), the norms are queued
-        one by one."""
+        host dispatch, against 1.4 and 23; CPU, timeit). The first call looks at every entry;
+        if they are not so (the CPU's ``_foreach_norm`` returns a tensor per norm), no later call
+        looks again (:attr:`_vector_route` False) and the norms are queued one by one. Once
+        they are, each step checks the ends (the first norm at the vector's start, the last at
+        its end, both views of it; ~1.2 µs): a ``_foreach_norm`` returns its norms the same way
+        on every call over the same gradients."""
         first, last = norms[0], norms[-1]
         vector = first._base
         if (vector is None or last._base is not vector or vector.dim() != 1 or vector.numel() != len(norms)
                 or vector.stride(0) != 1 or first.storage_offset() != vector.storage_offset()
                 or last.storage_offset() != vector.storage_offset() + len(norms) - 1):
+            if self._vector_route is None:
+                self._vector_route = False
             return None
-        if not self._vector_layout_seen:
+        if self._vector_route is None:
             start = vector.storage_offset()
-            if not all(norm._base is vector and norm.dim() == 0 and norm.storage_offset() == start + index
-                       for index, norm in enumerate(norms)):
-                return None
-            self._vector_layout_seen = True
-        return vector
+            self._vector_route = all(norm._base is vector and norm.dim() == 0 and norm.storage_offset() == start + index
+                                     for index, norm in enumerate(norms))
+        return vector if self._vector_route else None
 
     def _found_flag(self, device: torch.device) -> torch.Tensor:
         """A 0-d float32 zero on ``device`` for one step's device-side skip flag: the next of

@@ -509,7 +509,7 @@ def test_norms_that_are_one_vectors_entries_are_queued_as_it_and_judged_the_same
     model, trainer, seen, early, _ = _run_with_a_nan_and_a_spike(fused)
     _norms_as_views_of_one_vector(monkeypatch)
     model_v, trainer_v, seen_v, early_v, queued_v = _run_with_a_nan_and_a_spike(fused)
-    assert trainer_v.guard.deferred._vector_layout_seen and not trainer.guard.deferred._vector_layout_seen
+    assert trainer_v.guard.deferred._vector_route and trainer.guard.deferred._vector_route is False
     if fused:  # without a device-side skip each step is read as it is launched: nothing queued
         assert queued_v and all(len(v) == 2 and v[1].shape == (len(trainer_v.params),) for v in queued_v)
     assert seen_v == seen and early_v == early
@@ -546,8 +546,13 @@ def test_norms_are_taken_as_one_vector_only_when_they_are_its_entries_in_order()
     assert DeferredChecks(8)._one_vector(list(torch.arange(8.0)[::2].unbind())) is None  # strided
     swapped = [entries[0], entries[2], entries[1], entries[3]]  # the ends right, the middle not
     checks = DeferredChecks(8)
-    assert checks._one_vector(swapped) is None and not checks._vector_layout_seen
-    assert checks._one_vector(entries) is vector and checks._vector_layout_seen
+    assert checks._one_vector(swapped) is None and checks._vector_route is False
+    # Looked at on the first call only: after its norms were not one vector's, none is taken.
+    assert checks._one_vector(entries) is None
+    checks = DeferredChecks(8)
+    assert checks._one_vector(entries) is vector and checks._vector_route
+    # Once taken, each call checks the ends; norms of other tensors go one by one.
+    assert checks._one_vector([t.clone() for t in entries]) is None and checks._vector_route
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's _foreach_norm layout: needs a GPU")
@@ -570,7 +575,7 @@ def test_on_cuda_the_norms_are_queued_as_one_vector_and_judged_as_one_by_one(mon
         return model, trainer, seen, queued
 
     model_v, trainer_v, seen_v, queued_v = run()
-    assert trainer_v.guard.deferred._vector_layout_seen
+    assert trainer_v.guard.deferred._vector_route
     assert queued_v and all(len(v) == 2 and v[1].shape == (4,) for v in queued_v)
     monkeypatch.setattr(DeferredChecks, "_one_vector", lambda self, norms: None)
     model, trainer, seen, _ = run()
