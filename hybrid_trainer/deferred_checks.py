@@ -103,10 +103,13 @@ class DeferredChecks:
         non-finite, so the device-side flag sees it; finite norms whose squares overflow
         float32 do not read as non-finite there, and the monitor judges their global norm."""
         # ``float()`` of a float32 loss returns it, but only after a call through the dispatcher.
-        values = [loss if loss.dtype is torch.float32 else loss.float()]
-        if norms is not None:
-            vector = self._one_vector(norms) if len(norms) > 1 and self._vector_route is not False else None
-            values += norms if vector is None else (vector,)
+        loss = loss if loss.dtype is torch.float32 else loss.float()
+        if norms is None:
+            values = [loss]
+        elif self._vector_route is False or len(norms) == 1 or (vector := self._one_vector(norms)) is None:
+            values = [loss, *norms]
+        else:
+            values = [loss, vector]
         optimizer = guard.optimizer
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             found = self._found_flag(loss.device)
@@ -122,8 +125,8 @@ class DeferredChecks:
             result.values_on_device(values, has_norm=norms is not None)
             self.pending.append((result, values, norms is not None))
             return
-        flat, vectors = stack_queued([values])
-        loss_value, *norm_values = split_read([values], vectors, flat.tolist())[0]  # the read an optimizer without a device-side skip costs
+        flat, flags = stack_queued([values], vectors=len(values) == 2 and values[1].dim() == 1)
+        loss_value, *norm_values = split_read([values], flags, flat.tolist())[0]  # the read an optimizer without a device-side skip costs
         self.launch_read(guard, loss_value, global_norm(norm_values), norms is not None, result)
 
     def _one_vector(self, norms: list[torch.Tensor]) -> torch.Tensor | None:
@@ -194,8 +197,8 @@ class DeferredChecks:
         on_device = [v for _, v, _ in pending if isinstance(v, list)]
         rows: list[list[float]] = []
         if on_device:
-            flat, vectors = stack_queued(on_device)
-            rows = split_read(on_device, vectors, flat.tolist())  # the block's one read: [loss, n_1, ...] a step
+            flat, flags = stack_queued(on_device, vectors=bool(self._vector_route))
+            rows = split_read(on_device, flags, flat.tolist())  # the block's one read: [loss, n_1, ...] a step
         read = iter(rows)
         values = []
         for result, value, has_norm in pending:

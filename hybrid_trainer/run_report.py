@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from itertools import chain
 from typing import Any
 
 import torch
@@ -60,32 +61,34 @@ def global_norm(norms: list[float]) -> float:
     return math.sqrt(math.fsum([n * n for n in norms]))
 
 
-def stack_queued(queued: list[list[torch.Tensor]]) -> tuple[torch.Tensor, list[bool]]:
+def stack_queued(queued: list[list[torch.Tensor]], vectors: bool) -> tuple[torch.Tensor, list[bool] | None]:
     """Queued steps' device values in one flat tensor, for one read of them all, and which steps
     were queued with a vector of norms (:func:`split_read` takes both and the read floats back
     apart, step by step: its loss, then its gradient norms).
 
     A step is queued as ``[loss, n_1, ..., n_k]`` (0-d tensors) or, where its norms are the
     entries of one vector (CUDA's ``_foreach_norm``; ``DeferredChecks.launch``), as ``[loss,
-    vector]``. The 0-d tensors are stacked, each by an unsqueeze inside ``torch.stack``, and the
-    vectors go into one ``torch.cat`` as they are: on a GPU's host, stacking 16 steps' 41 values
-    each (the char-LM's) cost 323 µs a block read against 23 µs with the vectors (CPU dispatch,
-    timeit). Losses first, then the 0-d norms, then the vectors, each in step order."""
-    vectors = [len(values) == 2 and values[1].dim() == 1 for values in queued]
-    if not any(vectors):  # every value 0-d: one stack
-        return torch.stack([value for values in queued for value in values]), vectors
-    scalars = [value for values, vector in zip(queued, vectors) if not vector for value in values[1:]]
+    vector]``; ``vectors`` says whether any may be (else no step is looked at: one stack). The
+    0-d tensors are stacked, each by an unsqueeze inside ``torch.stack``, and the vectors go into
+    one ``torch.cat`` as they are: on a GPU's host, stacking 16 steps' 41 values each (the
+    char-LM's) cost 323 µs a block read against 23 µs with the vectors (CPU dispatch, timeit).
+    Losses first, then the 0-d norms, then the vectors, each in step order."""
+    if not vectors:
+        return torch.stack(list(chain.from_iterable(queued))), None
+    flags = [len(values) == 2 and values[1].dim() == 1 for values in queued]
+    scalars = [value for values, vector in zip(queued, flags) if not vector for value in values[1:]]
     parts = [torch.stack([values[0] for values in queued])]
     if scalars:
         parts.append(torch.stack(scalars))
-    parts += [values[1] for values, vector in zip(queued, vectors) if vector]
-    return torch.cat(parts), vectors
+    parts += [values[1] for values, vector in zip(queued, flags) if vector]
+    return torch.cat(parts), flags
 
 
-def split_read(queued: list[list[torch.Tensor]], vectors: list[bool], flat: list[float]) -> list[list[float]]:
-    """The floats read from :func:`stack_queued`'s tensor, per queued step ``[loss, n_1, ..., n_k]``."""
+def split_read(queued: list[list[torch.Tensor]], flags: list[bool] | None, flat: list[float]) -> list[list[float]]:
+    """The floats read from :func:`stack_queued`'s tensor, per queued step ``[loss, n_1, ..., n_k]``
+    (``flags``: the second thing it returned)."""
     rows = []
-    if not any(vectors):
+    if flags is None:  # one stack: each step's values in turn
         start = 0
         for values in queued:
             end = start + len(values)
@@ -93,8 +96,8 @@ def split_read(queued: list[list[torch.Tensor]], vectors: list[bool], flat: list
             start = end
         return rows
     at_scalar = len(queued)
-    at_vector = at_scalar + sum(len(values) - 1 for values, vector in zip(queued, vectors) if not vector)
-    for index, (values, vector) in enumerate(zip(queued, vectors)):
+    at_vector = at_scalar + sum(len(values) - 1 for values, vector in zip(queued, flags) if not vector)
+    for index, (values, vector) in enumerate(zip(queued, flags)):
         if vector:
             end = at_vector + values[1].numel()
             rows.append([flat[index], *flat[at_vector:end]])
@@ -131,8 +134,9 @@ class PendingStepResult(StepResult):
         values["_grad_norm"] = grad_norm if finite and self._has_norm else None
 
     def _read_device_values(self) -> None:
-        flat, vectors = stack_queued([self._on_device])
-        loss, *norms = split_read([self._on_device], vectors, flat.tolist())[0]
+        values = self._on_device
+        flat, flags = stack_queued([values], vectors=len(values) == 2 and values[1].dim() == 1)
+        loss, *norms = split_read([values], flags, flat.tolist())[0]
         self.values_read(loss, global_norm(norms))
 
 

@@ -525,13 +525,14 @@ def test_a_block_read_splits_steps_queued_both_ways():
               [torch.tensor(6.0), vector],
               [torch.tensor(7.0), torch.tensor(8.0)],
               [torch.tensor(9.0), torch.tensor([10.0, 11.0, 12.0])]]
-    flat, vectors = stack_queued(queued)
-    assert vectors == [False, True, False, True]
-    assert split_read(queued, vectors, flat.tolist()) == [[1.0, 2.0, 5.0], [6.0, 3.0, 4.0], [7.0, 8.0],
-                                                          [9.0, 10.0, 11.0, 12.0]]
+    flat, flags = stack_queued(queued, vectors=True)
+    assert flags == [False, True, False, True]
+    assert split_read(queued, flags, flat.tolist()) == [[1.0, 2.0, 5.0], [6.0, 3.0, 4.0], [7.0, 8.0],
+                                                        [9.0, 10.0, 11.0, 12.0]]
     scalars_only = [queued[0], queued[2]]
-    flat, vectors = stack_queued(scalars_only)
-    assert split_read(scalars_only, vectors, flat.tolist()) == [[1.0, 2.0, 5.0], [7.0, 8.0]]
+    for vectors in (False, True):  # one stack where no step may hold a vector; the same floats either way
+        flat, flags = stack_queued(scalars_only, vectors=vectors)
+        assert split_read(scalars_only, flags, flat.tolist()) == [[1.0, 2.0, 5.0], [7.0, 8.0]]
 
 
 def test_norms_are_taken_as_one_vector_only_when_they_are_its_entries_in_order():
