@@ -38,7 +38,7 @@ class _Parsed(Exception):
 def test_every_module_the_session_runs_accepts_its_arguments(monkeypatch):
     commands = _commands()
     modules = [argv[1] for argv in commands]
-    assert modules == ["experiments.gpu_step_capture", "bench.overhead", "pytest"]
+    assert modules == ["experiments.gpu_step_capture", "bench.overhead", "bench.overhead", "pytest"]
     parse = argparse.ArgumentParser.parse_args
 
     def parse_then_stop(self, args=None, namespace=None):
@@ -46,13 +46,13 @@ def test_every_module_the_session_runs_accepts_its_arguments(monkeypatch):
         raise _Parsed(parsed)
 
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
-    for argv in commands[:2]:
+    for argv in commands[:3]:
         module = importlib.import_module(argv[1])
         with pytest.raises(_Parsed) as parsed:
             module.main(argv[2:])
         assert parsed.value.args[0].device == "cuda"
     # The tests it runs exist.
-    test_paths = [word for word in commands[2] if word.endswith(".py")]
+    test_paths = [word for word in commands[3] if word.endswith(".py")]
     assert test_paths and all((ROOT / path).is_file() for path in test_paths)
 
 
@@ -83,13 +83,14 @@ def test_a_step_past_its_cap_is_stopped_the_others_run_and_every_log_comes_back(
                                    CAPTURE_CAP="1"))
     assert done.returncode == 1, done.stdout + done.stderr  # one step failed (stopped at its cap)
     assert "== capture_probe: exit 124" in done.stdout
-    assert "== overhead: exit 0" in done.stdout and "== tests: exit 0" in done.stdout
+    assert all(f"== {name}: exit 0" in done.stdout for name in ("overhead_fashion", "overhead_charlm", "tests"))
     with tarfile.open(out / "gpu_session.tgz") as archive:
         logs = {Path(name).name: archive.extractfile(name).read().decode()
                 for name in archive.getnames() if name.endswith(".log")}
-    assert set(logs) == {"machine.log", "capture_probe.log", "overhead.log", "tests.log"}
-    assert "--fused-adamw" in logs["overhead.log"]
+    assert set(logs) == {"machine.log", "capture_probe.log", "overhead_fashion.log", "overhead_charlm.log",
+                         "tests.log"}
+    assert "--fused-adamw" in logs["overhead_charlm.log"] and "--models charlm" in logs["overhead_charlm.log"]
     # The benchmarks record the commit the tree was copied from; the tests read the tree itself.
-    assert "commit: 0123abcd dirty: 0" in logs["overhead.log"]
+    assert "commit: 0123abcd dirty: 0" in logs["overhead_fashion.log"]
     assert "commit: unset dirty: unset" in logs["tests.log"]
-    assert f"fashion: {data.resolve()}/fashion-mnist" in logs["overhead.log"]
+    assert f"fashion: {data.resolve()}/fashion-mnist" in logs["overhead_fashion.log"]
