@@ -332,18 +332,20 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     torch.set_num_threads(1)
-    results = []
-    for model in args.models:
-        print(f"[gpu_step_capture] {model} on {device}", flush=True)
-        results.append(run(model, device, args.rounds, args.chunk, args.profile_steps))
-        for name, row in results[-1]["arms"].items():
-            print(f"  {name}: {row['step_us']:.0f} µs" + (f", {row['over_plain_us']:+.0f} µs over plain"
-                                                         if "over_plain_us" in row else ""), flush=True)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     command = "python -m experiments.gpu_step_capture " + shlex.join(sys.argv[1:] if argv is None else argv)
     meta = run_metadata(command, device_name=name)
     stem = "gpu_step_capture_" + ("cuda" if device.type == "cuda" else "cpu")
-    write_results(args.out, stem, dict(meta=meta, results=results), report(results, meta))
+    results = []
+    for model in args.models:
+        print(f"[gpu_step_capture] {model} on {device}", flush=True)
+        results.append(run(model, device, args.rounds, args.chunk, args.profile_steps))
+        for arm, row in results[-1]["arms"].items():
+            print(f"  {arm}: {row['step_us']:.0f} µs" + (f", {row['over_plain_us']:+.0f} µs over plain"
+                                                        if "over_plain_us" in row else ""), flush=True)
+        # Written after each model: a lent machine's time runs out, or a later model's capture
+        # fails (the first run's did), without taking the models done with it.
+        write_results(args.out, stem, dict(meta=meta, results=results), report(results, meta))
 
 
 if __name__ == "__main__":

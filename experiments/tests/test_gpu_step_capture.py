@@ -29,6 +29,25 @@ def test_a_cpu_run_times_the_eager_arms_and_profiles_the_trainer(tmp_path):
     assert f"| trainer | {run['arms']['trainer']['step_us']:.0f} |" in report
 
 
+def test_each_model_is_written_as_it_is_done_so_a_later_failure_keeps_it(tmp_path, monkeypatch):
+    # On a lent GPU the time can run out, or a later model's capture fail (the first run's did,
+    # with an illegal address), after the first model's figures were taken.
+    done = gpu_step_capture.run
+
+    def run(model, *args):
+        if model == "mlp-1ms":
+            raise RuntimeError("the second model failed")
+        return done(model, *args)
+
+    monkeypatch.setattr(gpu_step_capture, "run", run)
+    with pytest.raises(RuntimeError, match="second model"):
+        gpu_step_capture.main(["--device", "cpu", "--models", "tiny", "mlp-1ms", "--rounds", "2", "--chunk", "2",
+                               "--profile-steps", "2", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "gpu_step_capture_cpu.json").read_text())
+    assert [r["model"] for r in saved["results"]] == ["tiny"]
+    assert "## tiny" in (tmp_path / "gpu_step_capture_cpu.md").read_text()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_the_captured_step_trains_as_the_eager_step_does():
     """A replayed graph steps the model as the eager loop does: the same weights after the same
