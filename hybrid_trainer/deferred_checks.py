@@ -125,7 +125,7 @@ class DeferredChecks:
             result.values_on_device(values, has_norm=norms is not None)
             self.pending.append((result, values, norms is not None))
             return
-        flat, flags = stack_queued([values], vectors=len(values) == 2 and values[1].dim() == 1)
+        flat, flags = stack_queued([values])
         loss_value, *norm_values = split_read([values], flags, flat.tolist())[0]  # the read an optimizer without a device-side skip costs
         self.launch_read(guard, loss_value, global_norm(norm_values), norms is not None, result)
 

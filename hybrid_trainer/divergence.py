@@ -767,11 +767,8 @@ class DivergenceMonitor:
             raise ValueError(f"state['counts'] must have the keys {list(REASON_KINDS)}")
         if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in counts.values()):
             raise ValueError("state['counts'] values must be non-negative integers")
-        refused = state.get("refused_in_a_row", 0)
-        if not isinstance(refused, int) or isinstance(refused, bool) or refused < 0:
-            raise ValueError(f"state['refused_in_a_row'] must be a non-negative integer, got {refused!r}")
-        in_a_row = {key: state.get(key, 0) for key in ("critical_in_a_row", "tolerated")}
-        for key, value in in_a_row.items():
+        runs = {key: state.get(key, 0) for key in ("refused_in_a_row", "critical_in_a_row", "tolerated")}
+        for key, value in runs.items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"state[{key!r}] must be a non-negative integer, got {value!r}")
         rewound = state.get("rewound", False)
@@ -794,7 +791,6 @@ class DivergenceMonitor:
         self._grad_norms = deque((float(v) for v in state["grad_norms"]), maxlen=self.window)
         self._resort()
         self.counts = {kind: int(counts.get(kind, 0)) for kind in REASON_KINDS}
-        self.refused_in_a_row = refused
-        self.critical_in_a_row, self.tolerated = in_a_row["critical_in_a_row"], in_a_row["tolerated"]
+        self.refused_in_a_row, self.critical_in_a_row, self.tolerated = runs.values()
         self._remembered = remembered
         self.rewound = rewound

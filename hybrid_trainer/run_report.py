@@ -61,21 +61,22 @@ def global_norm(norms: list[float]) -> float:
     return math.sqrt(math.fsum([n * n for n in norms]))
 
 
-def stack_queued(queued: list[list[torch.Tensor]], vectors: bool) -> tuple[torch.Tensor, list[bool] | None]:
+def stack_queued(queued: list[list[torch.Tensor]], vectors: bool = True) -> tuple[torch.Tensor, list[bool] | None]:
     """Queued steps' device values in one flat tensor, for one read of them all, and which steps
     were queued with a vector of norms (:func:`split_read` takes both and the read floats back
     apart, step by step: its loss, then its gradient norms).
 
     A step is queued as ``[loss, n_1, ..., n_k]`` (0-d tensors) or, where its norms are the
     entries of one vector (CUDA's ``_foreach_norm``; ``DeferredChecks.launch``), as ``[loss,
-    vector]``; ``vectors`` says whether any may be (else no step is looked at: one stack). The
+    vector]``; ``vectors`` says whether any may be (False: no step is looked at). Where none is,
+    one stack takes them all. The
     0-d tensors are stacked, each by an unsqueeze inside ``torch.stack``, and the vectors go into
     one ``torch.cat`` as they are: on a GPU's host, stacking 16 steps' 41 values each (the
     char-LM's) cost 323 µs a block read against 23 µs with the vectors (CPU dispatch, timeit).
     Losses first, then the 0-d norms, then the vectors, each in step order."""
-    if not vectors:
+    flags = [len(values) == 2 and values[1].dim() == 1 for values in queued] if vectors else None
+    if not (flags and any(flags)):  # every value 0-d
         return torch.stack(list(chain.from_iterable(queued))), None
-    flags = [len(values) == 2 and values[1].dim() == 1 for values in queued]
     scalars = [value for values, vector in zip(queued, flags) if not vector for value in values[1:]]
     parts = [torch.stack([values[0] for values in queued])]
     if scalars:
@@ -134,9 +135,8 @@ class PendingStepResult(StepResult):
         values["_grad_norm"] = grad_norm if finite and self._has_norm else None
 
     def _read_device_values(self) -> None:
-        values = self._on_device
-        flat, flags = stack_queued([values], vectors=len(values) == 2 and values[1].dim() == 1)
-        loss, *norms = split_read([values], flags, flat.tolist())[0]
+        flat, flags = stack_queued([self._on_device])
+        loss, *norms = split_read([self._on_device], flags, flat.tolist())[0]
         self.values_read(loss, global_norm(norms))
 
 
