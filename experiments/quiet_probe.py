@@ -21,20 +21,17 @@ the run's final mean loss over the 64 clean batches. → ``experiments/results/q
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import math
 import shlex
 import statistics
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from experiments.spike_cost import SEEN, second_stage
+from experiments.spike_cost import SEEN, parse_stage_arguments, second_stage
 
-RESULTS = Path(__file__).resolve().parent / "results"
 SCENARIOS = ("new regime", "learning rate x100")
 
 
@@ -107,15 +104,7 @@ def report(result: dict[str, Any], meta: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> None:
     from bench.protocol import run_metadata, write_results
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seeds", type=int, default=6, help="seeds per scenario (0, 1, ...)")
-    parser.add_argument("--before", type=int, default=2280, help="steps of the first stage")
-    parser.add_argument("--after", type=int, default=1600, help="steps of the second stage, the scenario's")
-    parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
-    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for quiet_probe.{json,md}")
-    args = parser.parse_args(argv)
-    if args.seeds < 1 or args.before < 1 or args.after < 1:
-        parser.error(f"--seeds, --before and --after must be >= 1, got {args.seeds}, {args.before}, {args.after}")
+    args = parse_stage_arguments(argv, __doc__.split("\n")[0], 6, SCENARIOS, "quiet_probe")
     meta = run_metadata("python -m experiments.quiet_probe " + shlex.join(sys.argv[1:] if argv is None else argv))
     torch.set_num_threads(1)
     logging.getLogger("hybrid_trainer").setLevel(logging.ERROR)  # a warning per refused step

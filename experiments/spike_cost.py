@@ -161,16 +161,24 @@ def report(result: dict[str, Any], meta: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seeds", type=int, default=3, help="seeds per arm and scenario (0, 1, ...)")
+def parse_stage_arguments(argv: list[str] | None, description: str, seeds: int, scenarios: tuple[str, ...],
+                          name: str) -> argparse.Namespace:
+    """The two-stage runs' command line (this probe's and ``experiments.quiet_probe``'s): seeds,
+    the stages' lengths, the scenarios among ``scenarios``, the folder for ``name``'s files."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--seeds", type=int, default=seeds, help="seeds per arm and scenario (0, 1, ...)")
     parser.add_argument("--before", type=int, default=2280, help="steps of the first stage")
     parser.add_argument("--after", type=int, default=1600, help="steps of the second stage, the scenario's")
-    parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
-    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for spike_cost.{json,md}")
+    parser.add_argument("--scenarios", nargs="+", choices=scenarios, default=list(scenarios))
+    parser.add_argument("--out", type=Path, default=RESULTS, help=f"folder for {name}.{{json,md}}")
     args = parser.parse_args(argv)
     if args.seeds < 1 or args.before < 1 or args.after < 1:
         parser.error(f"--seeds, --before and --after must be >= 1, got {args.seeds}, {args.before}, {args.after}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_stage_arguments(argv, __doc__.split("\n")[0], 3, SCENARIOS, "spike_cost")
     from bench.protocol import run_metadata, write_results
 
     meta = run_metadata("python -m experiments.spike_cost " + shlex.join(sys.argv[1:] if argv is None else argv))
