@@ -47,11 +47,12 @@ included (as under a GradScaler).
 from __future__ import annotations
 
 import math
+from itertools import chain
 from typing import Any
 
 import torch
 
-from .run_report import PendingStepResult, global_norm, split_read, stack_queued
+from .run_report import PendingStepResult, global_norm
 
 
 class DeferredChecks:
@@ -72,9 +73,6 @@ class DeferredChecks:
         self._flag_views: tuple[torch.Tensor, ...] = ()
         self._flags_taken = 0
         self._one: torch.Tensor | None = None
-        # Whether the gradient norms come as the entries of one vector, in order (_one_vector):
-        # None until the first step with norms looks.
-        self._vector_route: bool | None = None
 
     @property
     def due(self) -> bool:
@@ -92,24 +90,17 @@ class DeferredChecks:
         ``loss``: the step's 0-d loss; ``norms``: 0-d norms whose root sum of squares is the
         global gradient norm (``StepGuard.grad_norms``: one per gradient, in float32 where the
         gradients are 16-bit; None without gradients), on the loss's device. They are queued
-        as they are, ``[loss, n_1, ..., n_k]`` (the loss in float32; ``[loss, vector]`` where the
-        norms are the entries of one vector, :meth:`_one_vector`), and read once per read
+        as they are, ``[loss, n_1, ..., n_k]`` (the loss in float32), and stacked once per read
         (:meth:`settle`), where a stack per step was one more launch a step; combined on the
         host at the read (:func:`global_norm`, float64). The device-side flag is GradScaler's
-        own check, one multi-tensor op over those tensors, into a flag that is one of
+        own check, one multi-tensor op over those 0-d tensors, into a flag that is one of
         ``every`` zeros (:meth:`_found_flag`): zeroing one flag a step was another launch a
         step. With those two, a step with a fused optimizer issues as many ops as the plain
         fused loop (``python -m bench.host_ops``). A non-finite gradient makes its own norm
         non-finite, so the device-side flag sees it; finite norms whose squares overflow
         float32 do not read as non-finite there, and the monitor judges their global norm."""
         # ``float()`` of a float32 loss returns it, but only after a call through the dispatcher.
-        loss = loss if loss.dtype is torch.float32 else loss.float()
-        if norms is None:
-            values = [loss]
-        elif self._vector_route is False or len(norms) == 1 or (vector := self._one_vector(norms)) is None:
-            values = [loss, *norms]
-        else:
-            values = [loss, vector]
+        values = [loss if loss.dtype is torch.float32 else loss.float(), *([] if norms is None else norms)]
         optimizer = guard.optimizer
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             found = self._found_flag(loss.device)
@@ -125,37 +116,8 @@ class DeferredChecks:
             result.values_on_device(values, has_norm=norms is not None)
             self.pending.append((result, values, norms is not None))
             return
-        flat, flags = stack_queued([values])
-        loss_value, *norm_values = split_read([values], flags, flat.tolist())[0]  # the read an optimizer without a device-side skip costs
+        loss_value, *norm_values = torch.stack(values).tolist()  # the read an optimizer without a device-side skip costs
         self.launch_read(guard, loss_value, global_norm(norm_values), norms is not None, result)
-
-    def _one_vector(self, norms: list[torch.Tensor]) -> torch.Tensor | None:
-        """The 1-d tensor whose entries, in order, the 0-d ``norms`` are, or None.
-
-        CUDA's ``_foreach_norm`` writes the k norms into one k-entry buffer and returns a view of
-        each entry. Queued as that one vector, a step's values cost the device-side check and
-        the block's read one tensor each instead of k (:func:`~hybrid_trainer.run_report.stack_queued`;
-        ``python -m experiments.queued_read``: with the char-LM's 40 norms the check took 14.7 µs
-        and a 16-step block's read 464 µs of host dispatch on the CPU, against 1.4 and 77). The
-        first call looks at every entry;
-        if they are not so (the CPU's ``_foreach_norm`` returns a tensor per norm), no later call
-        looks again (:attr:`_vector_route` False) and the norms are queued one by one. Once
-        they are, each step checks the ends (the first norm at the vector's start, the last at
-        its end, both views of it; ~2 µs): a ``_foreach_norm`` returns its norms the same way
-        on every call over the same gradients."""
-        first, last = norms[0], norms[-1]
-        vector = first._base
-        if (vector is None or last._base is not vector or vector.dim() != 1 or vector.numel() != len(norms)
-                or vector.stride(0) != 1 or first.storage_offset() != vector.storage_offset()
-                or last.storage_offset() != vector.storage_offset() + len(norms) - 1):
-            if self._vector_route is None:
-                self._vector_route = False
-            return None
-        if self._vector_route is None:
-            start = vector.storage_offset()
-            self._vector_route = all(norm._base is vector and norm.dim() == 0 and norm.storage_offset() == start + index
-                                     for index, norm in enumerate(norms))
-        return vector if self._vector_route else None
 
     def _found_flag(self, device: torch.device) -> torch.Tensor:
         """A 0-d float32 zero on ``device`` for one step's device-side skip flag: the next of
@@ -192,20 +154,17 @@ class DeferredChecks:
         if not self.pending:
             return []
         pending, self.pending = self.pending, []
-        # Queued on the device: a list of tensors (launch); read already: a (loss, norm) tuple.
+        # Queued on the device: a list of 0-d tensors (launch); read already: a (loss, norm) tuple.
         # Each step's values are a slice of the one read: per value, a Python loop would cost a
         # step of a model with many tensors more than all its other bookkeeping.
         on_device = [v for _, v, _ in pending if isinstance(v, list)]
-        rows: list[list[float]] = []
-        if on_device:
-            flat, flags = stack_queued(on_device, vectors=bool(self._vector_route))
-            rows = split_read(on_device, flags, flat.tolist())  # the block's one read: [loss, n_1, ...] a step
-        read = iter(rows)
-        values = []
+        read = torch.stack(list(chain.from_iterable(on_device))).tolist() if on_device else []  # the block's one read
+        values, start = [], 0
         for result, value, has_norm in pending:
-            if isinstance(value, list):
-                loss_value, *norms = next(read)
-                norm_value = global_norm(norms)
+            if isinstance(value, list):  # [loss, n_1, ..., n_k]: k from the queued list
+                end = start + len(value)
+                loss_value, norm_value = read[start], global_norm(read[start + 1:end])
+                start = end
             else:
                 loss_value, norm_value = value
             norm_value = norm_value if has_norm and math.isfinite(loss_value) else None

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from itertools import chain
 from typing import Any
 
 import torch
@@ -61,55 +60,6 @@ def global_norm(norms: list[float]) -> float:
     return math.sqrt(math.fsum([n * n for n in norms]))
 
 
-def stack_queued(queued: list[list[torch.Tensor]], vectors: bool = True) -> tuple[torch.Tensor, list[bool] | None]:
-    """Queued steps' device values in one flat tensor, for one read of them all, and which steps
-    were queued with a vector of norms (:func:`split_read` takes both and the read floats back
-    apart, step by step: its loss, then its gradient norms).
-
-    A step is queued as ``[loss, n_1, ..., n_k]`` (0-d tensors) or, where its norms are the
-    entries of one vector (CUDA's ``_foreach_norm``; ``DeferredChecks.launch``), as ``[loss,
-    vector]``; ``vectors`` says whether any may be (False: no step is looked at). Where none is,
-    one stack takes them all. The
-    0-d tensors are stacked, each by an unsqueeze inside ``torch.stack``, and the vectors go into
-    one ``torch.cat`` as they are: reading 16 steps of the char-LM's 41 values took 464 µs of
-    host dispatch one by one against 77 with the vectors (CPU; ``python -m experiments.queued_read``).
-    Losses first, then the 0-d norms, then the vectors, each in step order."""
-    flags = [len(values) == 2 and values[1].dim() == 1 for values in queued] if vectors else None
-    if not (flags and any(flags)):  # every value 0-d
-        return torch.stack(list(chain.from_iterable(queued))), None
-    scalars = [value for values, vector in zip(queued, flags) if not vector for value in values[1:]]
-    parts = [torch.stack([values[0] for values in queued])]
-    if scalars:
-        parts.append(torch.stack(scalars))
-    parts += [values[1] for values, vector in zip(queued, flags) if vector]
-    return torch.cat(parts), flags
-
-
-def split_read(queued: list[list[torch.Tensor]], flags: list[bool] | None, flat: list[float]) -> list[list[float]]:
-    """The floats read from :func:`stack_queued`'s tensor, per queued step ``[loss, n_1, ..., n_k]``
-    (``flags``: the second thing it returned)."""
-    rows = []
-    if flags is None:  # one stack: each step's values in turn
-        start = 0
-        for values in queued:
-            end = start + len(values)
-            rows.append(flat[start:end])
-            start = end
-        return rows
-    at_scalar = len(queued)
-    at_vector = at_scalar + sum(len(values) - 1 for values, vector in zip(queued, flags) if not vector)
-    for index, (values, vector) in enumerate(zip(queued, flags)):
-        if vector:
-            end = at_vector + values[1].numel()
-            rows.append([flat[index], *flat[at_vector:end]])
-            at_vector = end
-        else:
-            end = at_scalar + len(values) - 1
-            rows.append([flat[index], *flat[at_scalar:end]])
-            at_scalar = end
-    return rows
-
-
 class PendingStepResult(StepResult):
     """A real step whose checks wait for the guard's next read (``HybridConfig.read_every`` > 1;
     :mod:`~hybrid_trainer.deferred_checks`). ``loss`` and ``grad_norm`` are read from the device
@@ -119,7 +69,7 @@ class PendingStepResult(StepResult):
 
     loss = _read_on_access("loss")
     grad_norm = _read_on_access("grad_norm")
-    _on_device: Any = None  # the step's [loss, gradient norms...] on the device, until read (stack_queued)
+    _on_device: Any = None  # the step's [loss, gradient norms...] as 0-d device tensors, until read
     _has_norm = True
     settled = False
 
@@ -135,8 +85,7 @@ class PendingStepResult(StepResult):
         values["_grad_norm"] = grad_norm if finite and self._has_norm else None
 
     def _read_device_values(self) -> None:
-        flat, flags = stack_queued([self._on_device])
-        loss, *norms = split_read([self._on_device], flags, flat.tolist())[0]
+        loss, *norms = torch.stack(self._on_device).tolist()
         self.values_read(loss, global_norm(norms))
 
 
