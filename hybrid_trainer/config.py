@@ -100,6 +100,11 @@ class HybridConfig:
             is then read when first accessed and its verdict settles at the next read. On a CPU
             N = 16 saves the per-step judgment (10-25 µs a step in ``python -m bench.overhead``)
             at that price.
+        cuda_graph: on a CUDA device, once prediction is off, capture the steady step (forward,
+            backward, the guard's device-side checks and a fused optimizer's update) in one CUDA
+            graph and replay it, so that the host launches one graph a step instead of every op
+            (:mod:`~hybrid_trainer.captured_step`: what it needs of the run, the model and the
+            batches; where it cannot be used the trainer warns once and steps eagerly).
         divergence: keyword arguments for :class:`~hybrid_trainer.divergence.DivergenceMonitor`,
             checked by ``validate()`` with the monitor's own checks.
         memory_profile: record a memory snapshot (NVML/torch.cuda on GPU, RSS on CPU) every
@@ -195,6 +200,7 @@ class HybridConfig:
     good_state_storage: str = "auto"
     snapshot_dir: str | None = None
     read_every: int | None = None
+    cuda_graph: bool = False
     divergence: dict[str, Any] = field(default_factory=dict)
     memory_profile: bool = False
     memory_every: int = 1
@@ -293,6 +299,7 @@ class HybridConfig:
         need("good_state_storage", self.good_state_storage in GOOD_STATE_STORAGES, f"one of {GOOD_STATE_STORAGES}")
         need("read_every", self.read_every is None or (is_int(self.read_every) and self.read_every >= 1),
              "None or an int >= 1")
+        need("cuda_graph", isinstance(self.cuda_graph, bool), "True or False")
         need("snapshot_dir", self.snapshot_dir is None or (isinstance(self.snapshot_dir, str) and self.snapshot_dir),
              "None or a folder path (str)")
         need("divergence", isinstance(self.divergence, dict), "a dict of DivergenceMonitor keyword arguments")

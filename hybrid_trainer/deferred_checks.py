@@ -154,14 +154,15 @@ class DeferredChecks:
         if not self.pending:
             return []
         pending, self.pending = self.pending, []
-        # Queued on the device: a list of 0-d tensors (launch); read already: a (loss, norm) tuple.
-        # Each step's values are a slice of the one read: per value, a Python loop would cost a
-        # step of a model with many tensors more than all its other bookkeeping.
-        on_device = [v for _, v, _ in pending if isinstance(v, list)]
-        read = torch.stack(list(chain.from_iterable(on_device))).tolist() if on_device else []  # the block's one read
+        # Queued on the device: a list of 0-d tensors (launch) or a captured step's row of them
+        # (captured_step); read already: a (loss, norm) tuple. Each step's values are a slice of
+        # the one read: per value, a Python loop would cost a step of a model with many tensors
+        # more than all its other bookkeeping.
+        on_device = [v for _, v, _ in pending if type(v) is not tuple]
+        read = _stack_block(on_device).tolist() if on_device else []  # the block's one read
         values, start = [], 0
         for result, value, has_norm in pending:
-            if isinstance(value, list):  # [loss, n_1, ..., n_k]: k from the queued list
+            if type(value) is not tuple:  # [loss, n_1, ..., n_k]: k from the queued list or row
                 end = start + len(value)
                 loss_value, norm_value = read[start], global_norm(read[start + 1:end])
                 start = end
@@ -205,3 +206,12 @@ class DeferredChecks:
         for result, _, _ in pending:
             result.settled = True
         return [result for result, _, _ in pending]
+
+
+def _stack_block(on_device: list[Any]) -> torch.Tensor:
+    """The queued steps' values as one tensor, for one read: one stack of the 0-d tensors where
+    every step queued a list of them (the eager deferred steps), else one ``cat`` of the rows, a
+    step's list stacked into one."""
+    if all(type(values) is list for values in on_device):
+        return torch.stack(list(chain.from_iterable(on_device)))
+    return torch.cat([values if isinstance(values, torch.Tensor) else torch.stack(values) for values in on_device])

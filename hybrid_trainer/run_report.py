@@ -69,7 +69,7 @@ class PendingStepResult(StepResult):
 
     loss = _read_on_access("loss")
     grad_norm = _read_on_access("grad_norm")
-    _on_device: Any = None  # the step's [loss, gradient norms...] as 0-d device tensors, until read
+    _on_device: Any = None  # the step's [loss, gradient norms...] on the device, until read
     _has_norm = True
     settled = False
 
@@ -85,7 +85,8 @@ class PendingStepResult(StepResult):
         values["_grad_norm"] = grad_norm if finite and self._has_norm else None
 
     def _read_device_values(self) -> None:
-        loss, *norms = torch.stack(self._on_device).tolist()
+        values = self._on_device  # 0-d tensors (DeferredChecks.launch) or one row (captured_step)
+        loss, *norms = (values if isinstance(values, torch.Tensor) else torch.stack(values)).tolist()
         self.values_read(loss, global_norm(norms))
 
 
@@ -128,6 +129,7 @@ def run_statistics(trainer: Any) -> dict[str, Any]:
         acceptance_rate=(stats.verifications_accepted / stats.verifications) if stats.verifications else None,
         prediction_enabled=trainer.controller.prediction_enabled,
         prediction_disabled_reason=trainer.controller.disabled_reason,
+        cuda_graph=None if trainer.captured is None else trainer.captured.statistics(),
         dynamics_error_by_horizon=trainer.forecaster.error_report(),
         dynamics_train_steps=trainer.forecaster.train_steps,
         loss_noise_std=trainer.loss_trend.noise_std,
@@ -169,4 +171,8 @@ def format_summary(s: dict[str, Any]) -> str:
                      + f"; batch noise {s['loss_noise_std']:.3g}")
     if not s["prediction_enabled"]:
         lines.append(f"prediction disabled: {s['prediction_disabled_reason']}")
+    graph = s.get("cuda_graph")
+    if graph is not None:
+        lines.append(f"CUDA graph: {graph['replays']} steps replayed, captured {graph['captures']} times"
+                     + ("" if graph["off_reason"] is None else f"; off: {graph['off_reason']}"))
     return "\n".join(lines)

@@ -225,6 +225,9 @@ class StepGuard:
         # steady step with its file written behind that step's forward and backward
         # (accept(defer_snapshot=True), take_due_snapshot); None when none is due.
         self.snapshot_due: int | None = None
+        # Times the weights, optimizer state or trained set were put back or replaced (a rollback,
+        # a stall's restore, a retarget): a captured step's graph points at the tensors they were.
+        self.restores = 0
 
     def retarget(self, params: list[torch.Tensor], buffers: list[tuple[torch.nn.Module, str]],
                  module: torch.nn.Module | None = None) -> None:
@@ -233,6 +236,7 @@ class StepGuard:
         if self.good_state is not None:
             self.good_state.release()  # a write still in flight ends first; the good state restarts empty
         self.snapshot_due = None
+        self.restores += 1
         self.params = params
         # A dense gradient has its parameter's dtype and device (autograd's accumulation
         # enforces it), so whether the norm may take the one-dtype path is known here, not
@@ -446,6 +450,7 @@ class StepGuard:
                        or not monitor.blame_lone_alarms_on_the_batch)
         if not non_finite and self.good_state.is_set and weights_off:
             self.good_state.restore(self.optimizer)  # weights, optimizer state and buffers
+            self.restores += 1
             self.stats.divergence_rollbacks += 1
             self.monitor.rewind_window()  # the next steps are judged by the good state's window
             rolled_back = True
@@ -549,6 +554,7 @@ class StepGuard:
         where = "" if step is None else f" at step {step}"
         if self.good_state.is_set and not self.stall_restored:
             self.good_state.restore(self.optimizer)
+            self.restores += 1
             self.monitor.rewind_window()
             self.monitor.refused_in_a_row = 0
             self.stall_restored = True

@@ -36,6 +36,7 @@ from typing import Any, Callable
 import torch
 
 from . import checkpoint, checkpointing, grad_checkpoint, resume_check, trained_set
+from .captured_step import CapturedStep, graphs_for
 from .config import HybridConfig
 from .distributed import RankSync, unwrap
 from .divergence import Severity
@@ -167,6 +168,8 @@ class HybridTrainer:
                                 and self.in_backward is None and self.nowcast is None
                                 and self.weight_average is None and not config.offload_while_predicting
                                 and self.profiler is None and self.vram_guard is None)
+        # The steady step replayed from a CUDA graph (captured_step), when asked for.
+        self.captured = CapturedStep(self, graphs_for(self.device)) if config.cuda_graph else None
         # memory plan: the prediction again from what the built trainer holds now
         refine_plan(self.memory_plan, memory_in_use(self.device), self._predictor_bytes())
 
@@ -198,7 +201,7 @@ class HybridTrainer:
         # Prediction off for good and nothing configured that only the general path handles.
         if (self._steady_allowed and not controller.prediction_enabled and controller.phase is not Phase.PREDICT
                 and (not self.guard.overlap or self.guard.deferred is not None) and not self.trained.changed()):
-            return self._steady_step(batch)
+            return self._steady_step(batch) if self.captured is None else self.captured.step(batch)
         started = time.perf_counter()
         check_train_mode(self.optimizer)
         # A good state the last steady step left due: taken before this step changes anything.
@@ -511,6 +514,28 @@ class HybridTrainer:
         result.wall_time_s = time.perf_counter() - started
         return self._end_steady_step(result, phase, disabled_before)
 
+    def _captured_step(self, captured: CapturedStep, leaves: list[Any]) -> StepResult:
+        """A steady step as one replay of the captured graph (:mod:`~hybrid_trainer.captured_step`):
+        the ops of :meth:`_steady_step`'s deferred branch, launched at once; its checks wait for
+        the guard's read like theirs. ``leaves``: the batch flattened."""
+        started = time.perf_counter()
+        stats, controller = self.stats, self.controller
+        check_train_mode(self.optimizer)
+        phase, disabled_before = controller.phase, controller.disabled_reason
+        lrs = tuple([float(group["lr"]) for group in self.optimizer.param_groups])
+        result = PendingStepResult(step=self.step_count, phase=_PHASE_NAMES[phase], loss=None, backward_done=True,
+                                   divergence="PENDING", lr=lrs[0], lrs=lrs)
+        captured.replay(leaves, result)  # forward, backward, the guard's device ops, the update
+        stats.backward_passes += 1
+        stats.forward_passes += 1
+        stats.optimizer_steps += 1  # taken back at the read if the step was refused
+        if self.scheduler is not None:
+            self.scheduler.step()
+        result.wall_time_s = time.perf_counter() - started
+        if self.guard.deferred.due:
+            self._settle()  # the guard's read of the last read_every steps
+        return self._end_steady_step(result, phase, disabled_before)
+
     def _drop_grads(self) -> None:
         """What ``zero_grad(set_to_none=True)`` does, without its profiler scope: ~25 µs per step
         on the digits MLP, 2% of its step."""
@@ -613,6 +638,8 @@ class HybridTrainer:
                              f"trainer planned {self.memory_plan.techniques}; set optimizer_state_bits, "
                              f"step_in_backward and weight_dtype to the saved run's to resume it")
         self.registry.load_state_dict(state)
+        if self.captured is not None:
+            self.captured.drop()  # the loaded optimizer state is new tensors
         if self.guard.deferred is not None:
             self.guard.deferred.discard()  # the steps waiting led to the state just replaced
         checkpoint.restore_rng(rng_of_rank(state, self.ranks))
@@ -648,6 +675,8 @@ class HybridTrainer:
         HybridTrainer(...) as trainer``)."""
         self._settle()  # the last steps' checks and metrics records
         self.guard.close()  # its hooks off the model
+        if self.captured is not None:
+            self.captured.drop()  # the graph's memory goes back
         if self.metrics is not None:
             self.metrics.close()
         if self.tensorboard is not None:

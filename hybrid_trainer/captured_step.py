@@ -1,0 +1,265 @@
+"""The trainer's steady step captured in a CUDA graph and replayed (``HybridConfig(cuda_graph=True)``).
+
+Why: on a step the GPU finishes before the host has launched it (a small model), whatever the
+trainer adds on the host is added to the step. On the H200, Fashion-MNIST's MLP does 178 µs of
+device work in a 1,504 µs eager step; the guard's device ops alone (the gradient norms, the
+non-finite check, the device-side skip) cost +133 µs a step there without any of the trainer's
+Python, over the 3% the trainer may cost; captured in one graph with those ops the step took
+205 µs (``python -m experiments.gpu_step_capture``, ``experiments/results/gpu_step_capture_cuda.md``;
+Nguyen et al., "Accelerating PyTorch with CUDA Graphs", PyTorch blog 2021, whole-network
+capture). The graph holds the same ops as the deferred steady step
+(:meth:`~hybrid_trainer.deferred_checks.DeferredChecks.launch`): the buffers kept, forward,
+backward, one ``_foreach_norm``, GradScaler's non-finite check into a flag, the fused update
+skipped on the device by that flag, the buffers put back where it is set, and the step's
+``[loss, n_1, ..., n_k]`` stacked. What is left on the host per step: the batch copied into the
+graph's input tensors, the replay, that row copied into a ring the guard reads once per
+``read_every`` steps (the same judgment as the deferred path's), and the trainer's counters.
+
+When it replays: prediction off for good on the steady path, the deferred checks on (a GPU's
+default ``read_every``; a good state taken; not from a rollback until the next good state), a
+fused optimizer that skips on the device, no ``grad_clip``, no optimizer step hooks, batches whose
+tensors are on the device. First :data:`WARMUP_STEPS` steps run eagerly on a side stream (what
+torch.cuda.graphs asks of a whole-network capture), then the next step is captured (nothing
+runs) and replayed. Any step that does not fit runs eagerly (the same ops): a batch of another
+shape (the graph is kept), a step that takes a good state. The graph is dropped and captured
+again after warm-up when the weights or optimizer state it points at may have been replaced (a
+rollback, a loaded checkpoint, a change of what is trained) or when a value it holds as a
+constant changes (any optimizer hyperparameter, the learning rate included); after
+:data:`MAX_CAPTURES` captures the run goes on eagerly (a scheduler that changes the learning rate
+every step).
+
+What a graph cannot see: Python that the forward runs (a hook that counts calls, a ``print``)
+runs once, at capture; a loss function that reads a value back (``.item()``) cannot be captured
+(the capture fails, the run goes on eagerly with a warning). Gradients stay allocated in the
+graph's memory between steps, where the eager steps free them.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.optim import optimizer as torch_optimizer
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .user_warning import warn_user
+
+WARMUP_STEPS = 3
+MAX_CAPTURES = 8
+
+
+class CudaGraphs:
+    """torch.cuda's graphs on ``device``: the side stream of the warm-up steps and the capture."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.side = torch.cuda.Stream(device)
+
+    @contextlib.contextmanager
+    def warmup(self) -> Iterator[None]:
+        """Run the enclosed eager steps on the side stream, ordered after and before the current
+        stream's work."""
+        current = torch.cuda.current_stream(self.device)
+        self.side.wait_stream(current)
+        with torch.cuda.stream(self.side):
+            yield
+        current.wait_stream(self.side)
+
+    def capture(self, body: Callable[[], None]) -> Callable[[], None]:
+        """Record ``body``'s device work (it runs once as Python; no kernel runs); returns the replay."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            body()
+        return graph.replay
+
+
+def graphs_for(device: torch.device) -> CudaGraphs | None:
+    """The capture backend on ``device``: torch.cuda's graphs on a CUDA device, else None."""
+    return CudaGraphs(device) if device.type == "cuda" else None
+
+
+def hyperparameters(optimizer: torch.optim.Optimizer) -> list[tuple[Any, ...]]:
+    """Every param group's values other than its tensors (a captured update holds them as
+    constants), in a form compared with ``==``."""
+    return [tuple((key, value) for key, value in group.items() if key != "params") for group in optimizer.param_groups]
+
+
+class CapturedStep:
+    """The trainer's steady steps as replays of one CUDA graph (module docstring).
+
+    Args:
+        trainer: the :class:`~hybrid_trainer.trainer.HybridTrainer` whose steady steps it takes.
+        graphs: the capture backend (:func:`graphs_for`); None: the run steps eagerly.
+    """
+
+    def __init__(self, trainer: Any, graphs: CudaGraphs | None):
+        self.trainer, self.graphs = trainer, graphs
+        self.off_reason = self._why_not(trainer, graphs)  # None while the graph may still be used
+        if self.off_reason is not None:
+            warn_user(f"HybridConfig.cuda_graph: steps run eagerly ({self.off_reason})")
+        self.captures = 0
+        self.replays = 0
+        self._replay: Callable[[], None] | None = None
+        self._warm = 0  # eager steps on the side stream since the graph was last dropped
+        self._static: list[torch.Tensor] = []  # the graph's input tensors, the batch's tensor leaves
+        self._layout: tuple[Any, ...] | None = None  # of the batch it was captured with
+        self._constants: list[tuple[Any, ...]] | None = None  # hyperparameters(optimizer) at capture
+        self._restores = 0  # guard.restores at capture
+        self._row: torch.Tensor | None = None  # the step's [loss, n_1, ..., n_k], written by the graph
+        self._ring: torch.Tensor | None = None  # one row a queued step, read at the guard's read
+        self._keep: tuple[Any, ...] = ()  # tensors the graph points at that nothing else holds
+
+    @staticmethod
+    def _why_not(trainer: Any, graphs: CudaGraphs | None) -> str | None:
+        guard, optimizer = trainer.guard, trainer.optimizer
+        if graphs is None:
+            return f"the trained tensors are on {trainer.device}, not a CUDA device"
+        if not trainer._steady_allowed:
+            return ("the run uses what only the general step handles (gradient accumulation, DDP, a GradScaler, "
+                    "the step inside the backward, a weight average, a nowcast, offloading, the memory profiler "
+                    "or the VRAM guard)")
+        if guard.deferred is None:
+            return "read_every is 1: each step reads its values back, which a replay would wait on"
+        if not getattr(optimizer, "_step_supports_amp_scaling", False):
+            return "the optimizer cannot skip a non-finite update on the device (fused=True Adam, AdamW or SGD can)"
+        if trainer.config.grad_clip is not None:
+            return "grad_clip is set"
+        if not guard._grads_uniform:
+            return "the trained tensors are not all of one dtype and device"
+        if (optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
+                or torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks):
+            return "optimizer step hooks are registered: a replay would not run them"
+        return None
+
+    @property
+    def captured(self) -> bool:
+        return self._replay is not None
+
+    def drop(self) -> None:
+        """Forget the graph (its memory goes with it); the next eligible steps warm up and capture again."""
+        self._replay = self._row = self._ring = None
+        self._static, self._layout, self._warm, self._keep = [], None, 0, ()
+
+    def statistics(self) -> dict[str, Any]:
+        return dict(captures=self.captures, replays=self.replays, captured=self.captured, off_reason=self.off_reason)
+
+    # ================================================================================ step ====
+    def step(self, batch: Any) -> Any:
+        """One steady step of the trainer: replayed, captured and replayed, or eager."""
+        trainer = self.trainer
+        guard = trainer.guard
+        if guard.deferred is not None and guard.deferred.due:
+            trainer._settle()  # a ring slot a queued step: none is taken twice before the read
+        if self.off_reason is not None or not guard.defers() or guard.snapshot_due is not None:
+            return trainer._steady_step(batch)  # eager: nothing to capture, or a good state to take first
+        if self._replay is not None and (guard.restores != self._restores
+                                         or hyperparameters(trainer.optimizer) != self._constants):
+            self.drop()  # the state it points at may be new tensors, or its constants changed
+            if self.captures >= MAX_CAPTURES:
+                self.off_reason = (f"captured {self.captures} times: the learning rate or another optimizer "
+                                   f"value changes too often (a scheduler)")
+                warn_user(f"HybridConfig.cuda_graph: steps run eagerly from step {trainer.step_count} "
+                          f"({self.off_reason})")
+                return trainer._steady_step(batch)
+        leaves, spec = tree_flatten(batch)
+        layout = _layout(leaves, spec)
+        if self._replay is None:
+            if self._warm < WARMUP_STEPS:
+                self._warm += 1
+                with self.graphs.warmup():
+                    return trainer._steady_step(batch)
+            why = _not_capturable(leaves, trainer.device)
+            if why is not None:
+                self.off_reason = why
+                warn_user(f"HybridConfig.cuda_graph: steps run eagerly ({why})")
+                return trainer._steady_step(batch)
+            self._capture(leaves, spec, layout)
+            if self._replay is None:  # the capture failed: off for the run
+                return trainer._steady_step(batch)
+        elif layout != self._layout:
+            return trainer._steady_step(batch)  # another shape (a last short batch): the graph is kept
+        return trainer._captured_step(self, leaves)
+
+    def replay(self, leaves: list[Any], result: Any) -> None:
+        """The step on ``leaves`` (the batch's, as :func:`tree_flatten` gives them): its tensors
+        copied into the graph's inputs, one replay, its values queued for the guard's read."""
+        static = iter(self._static)
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                buffer = next(static)
+                if leaf is not buffer:
+                    buffer.copy_(leaf)
+        self._replay()
+        self.replays += 1
+        deferred = self.trainer.guard.deferred
+        row = self._row
+        if self._ring is None:
+            self._ring = torch.empty((deferred.every, row.numel()), dtype=row.dtype, device=row.device)
+        slot = self._ring[len(deferred.pending)]
+        slot.copy_(row)  # the graph writes the next step's values where this one's are
+        result.values_on_device(slot, has_norm=row.numel() > 1)
+        deferred.pending.append((result, slot, row.numel() > 1))
+
+    def _capture(self, leaves: list[Any], spec: Any, layout: tuple[Any, ...]) -> None:
+        trainer = self.trainer
+        guard, optimizer = trainer.guard, trainer.optimizer
+        static_leaves = [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        static_batch = tree_unflatten(static_leaves, spec)
+        found = torch.zeros((), dtype=torch.float32, device=trainer.device)
+        one = torch.ones((), dtype=torch.float32, device=trainer.device)
+
+        def body() -> None:
+            # What DeferredChecks.launch does after the steady step's backward, without its reads.
+            trainer._drop_grads()  # the backward writes the gradients rather than adding to them
+            guard.buffers_before.before_forward()
+            loss = trainer._loss(static_batch)
+            loss.backward()
+            norms = guard.grad_norms()
+            loss = loss.detach()
+            values = [loss if loss.dtype is torch.float32 else loss.float(), *([] if norms is None else norms)]
+            found.zero_()
+            torch._amp_foreach_non_finite_check_and_unscale_(values, found, one)
+            optimizer.found_inf = found
+            try:
+                guard.step_optimizer()
+            finally:
+                del optimizer.found_inf
+            guard.buffers_before.restore_where(found)
+            self._row = torch.stack(values)
+
+        # torch refuses to capture an update whose groups say capturable=False; the fused update
+        # is the same kernel either way, and the flags are put back as the user set them.
+        capturable = [group.get("capturable", False) for group in optimizer.param_groups]
+        for group in optimizer.param_groups:
+            group["capturable"] = True
+        try:
+            replay = self.graphs.capture(body)
+        except Exception as error:  # noqa: BLE001 - any capture failure: the run goes on eagerly
+            self.off_reason = f"the step could not be captured ({type(error).__name__}: {error})"
+            warn_user(f"HybridConfig.cuda_graph: steps run eagerly ({self.off_reason})")
+            trainer._drop_grads()
+            self.drop()
+            return
+        finally:
+            for group, flag in zip(optimizer.param_groups, capturable):
+                group["capturable"] = flag
+        self._replay, self._layout = replay, layout
+        self._static = [leaf for leaf in static_leaves if isinstance(leaf, torch.Tensor)]
+        self._constants, self._restores = hyperparameters(optimizer), guard.restores
+        self.captures += 1
+        self._keep = (static_batch, found, one)  # the graph holds their addresses, not the tensors
+
+
+def _layout(leaves: list[Any], spec: Any) -> tuple[Any, ...]:
+    """What a batch must share with the one the graph was captured with: its structure, its
+    tensors' shapes, dtypes and devices, its other values."""
+    return (spec, *[(leaf.shape, leaf.dtype, leaf.device) if isinstance(leaf, torch.Tensor) else leaf
+                    for leaf in leaves])
+
+
+def _not_capturable(leaves: list[Any], device: torch.device) -> str | None:
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.device != device:
+            return (f"a batch tensor is on {leaf.device}, the model on {device}: the graph reads its inputs from "
+                    f"tensors on the device; move the batch there before trainer.step")
+    return None
