@@ -153,7 +153,12 @@ TIMED_ONLY = (GUARD_FLOOR, LEAN_PLAIN)  # arms timed beside ARMS, never run for 
 # right after the trainer); with a chunk's first steps untimed, over 9 fresh processes, the tiny
 # MLP's measured +4 us [-6, +9].
 PLAIN_AGAIN = "plain again (noise floor)"
-OPT_IN = (PLAIN_AGAIN,)
+# The trainer with prediction off and its steady step replayed from a CUDA graph
+# (hybrid_trainer.captured_step), against the same eager plain loop. Timed only when named in
+# --arms: on a CPU it steps as predict=False does (there is no graph to capture).
+CUDA_GRAPH = "predict=False, cuda_graph"
+OPT_IN = (PLAIN_AGAIN, CUDA_GRAPH)
+OPT_IN_CONFIGS: dict[str, dict[str, Any]] = {CUDA_GRAPH: dict(predict=False, cuda_graph=True)}
 IN_PROCESS_PARAMS = 5_000_000  # above this, each arm is stepped in a process of its own (ProcessArm)
 # Timed steps per chunk: one good-state period (HybridConfig.good_state_every), so that every
 # chunk's timed steps hold exactly one snapshot whatever their offset, and the median over rounds
@@ -329,14 +334,15 @@ def _arm_step(arm: str, workload: Workload, device: torch.device, seed: int = 0)
             workload.loss_fn(model, batch).backward()
             update()
         return lean, None, model
-    if arm == PLAIN_AGAIN or ARMS[arm] is None:
+    config = ARMS[arm] if arm in ARMS else OPT_IN_CONFIGS.get(arm)
+    if config is None:  # the plain loop, or the second one (PLAIN_AGAIN)
         def plain(batch) -> None:
             optimizer.zero_grad(set_to_none=True)
             workload.loss_fn(model, batch).backward()
             optimizer.step()
         plain.optimizer = optimizer  # type: ignore[attr-defined]  (the memory report reads its state)
         return plain, None, model
-    trainer = HybridTrainer(model, optimizer, workload.loss_fn, HybridConfig(seed=seed, **ARMS[arm]))
+    trainer = HybridTrainer(model, optimizer, workload.loss_fn, HybridConfig(seed=seed, **config))
     return trainer.step, trainer, model
 
 

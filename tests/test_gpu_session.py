@@ -38,7 +38,7 @@ class _Parsed(Exception):
 def test_every_module_the_session_runs_accepts_its_arguments(monkeypatch):
     commands = _commands()
     modules = [argv[1] for argv in commands]
-    assert modules == ["experiments.gpu_step_capture", "bench.overhead", "bench.overhead", "pytest"]
+    assert modules == ["pytest", "bench.overhead", "bench.overhead", "bench.overhead"]
     parse = argparse.ArgumentParser.parse_args
 
     def parse_then_stop(self, args=None, namespace=None):
@@ -46,13 +46,14 @@ def test_every_module_the_session_runs_accepts_its_arguments(monkeypatch):
         raise _Parsed(parsed)
 
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
-    for argv in commands[:3]:
+    for argv in commands[1:]:
         module = importlib.import_module(argv[1])
         with pytest.raises(_Parsed) as parsed:
             module.main(argv[2:])
         assert parsed.value.args[0].device == "cuda"
+    assert parsed.value.args[0].arms == ["predict=False, cuda_graph", "predict=False"]  # the last: the replayed step
     # The tests it runs exist.
-    test_paths = [word for word in commands[3] if word.endswith(".py")]
+    test_paths = [word for word in commands[0] if word.endswith(".py")]
     assert test_paths and all((ROOT / path).is_file() for path in test_paths)
 
 
@@ -69,26 +70,26 @@ def test_a_step_past_its_cap_is_stopped_the_others_run_and_every_log_comes_back(
     (data / "fashion-mnist").mkdir(parents=True)
     (data / "bible").mkdir()
     (data / "commit").write_text("0123abcd\n0\n")
-    # A stand-in interpreter: prints what each step would get, and hangs where the capture probe runs.
+    # A stand-in interpreter: prints what each step would get, and hangs where the replayed step is timed.
     stub = tmp_path / "python3"
     stub.write_text("#!/usr/bin/env bash\n"
                     'echo "args: $*"\n'
                     'echo "commit: ${HYBRID_BENCH_GIT_COMMIT:-unset} dirty: ${HYBRID_BENCH_GIT_DIRTY:-unset}"\n'
                     'echo "fashion: $FASHION_MNIST_DIR"\n'
-                    'case "$*" in *"-m experiments.gpu_step_capture"*) sleep 60;; esac\n')
+                    'case "$*" in *"--arms"*) sleep 60;; esac\n')
     stub.chmod(0o755)
     out = tmp_path / "out"
     done = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, DEVDATA=str(data), OUT=str(out), PYTHON=str(stub),
-                                   CAPTURE_CAP="1"))
+                                   GRAPH_CAP="1"))
     assert done.returncode == 1, done.stdout + done.stderr  # one step failed (stopped at its cap)
-    assert "== capture_probe: exit 124" in done.stdout
-    assert all(f"== {name}: exit 0" in done.stdout for name in ("overhead_fashion", "overhead_charlm", "tests"))
+    assert "== overhead_cuda_graph: exit 124" in done.stdout
+    assert all(f"== {name}: exit 0" in done.stdout for name in ("tests", "overhead_fashion", "overhead_charlm"))
     with tarfile.open(out / "gpu_session.tgz") as archive:
         logs = {Path(name).name: archive.extractfile(name).read().decode()
                 for name in archive.getnames() if name.endswith(".log")}
-    assert set(logs) == {"machine.log", "capture_probe.log", "overhead_fashion.log", "overhead_charlm.log",
-                         "tests.log"}
+    assert set(logs) == {"machine.log", "tests.log", "overhead_fashion.log", "overhead_charlm.log",
+                         "overhead_cuda_graph.log"}
     assert "--fused-adamw" in logs["overhead_charlm.log"] and "--models charlm" in logs["overhead_charlm.log"]
     # The benchmarks record the commit the tree was copied from; the tests read the tree itself.
     assert "commit: 0123abcd dirty: 0" in logs["overhead_fashion.log"]

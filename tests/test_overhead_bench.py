@@ -846,3 +846,12 @@ def test_the_report_says_why_first_steps_went_untimed_only_where_some_did():
     settled = {"models": {"tiny": {"arms": {"plain": {"time": {"chunk": 55, "settle": overhead.SMALL_SETTLE}}}}}}
     assert "untimed in every arm alike, as they pay for the switch of arms" in overhead._settle_said(settled)
     assert overhead._chunks_said(settled) == f"{overhead.SMALL_SETTLE} untimed + 50 timed steps"
+
+
+def test_the_replayed_step_arm_is_the_trainer_with_cuda_graph_timed_only_when_asked(monkeypatch):
+    # On a CPU there is no graph: the trainer says so once and steps as predict=False does.
+    assert overhead.CUDA_GRAPH in overhead.OPT_IN and overhead.CUDA_GRAPH not in overhead.ARMS
+    with pytest.warns(RuntimeWarning, match="cuda_graph.*not a CUDA device"):
+        step, trainer, _ = overhead._arm_step(overhead.CUDA_GRAPH, overhead.make_workload("tiny", 2, torch.device("cpu")),
+                                              torch.device("cpu"))
+    assert trainer.config.cuda_graph and not trainer.config.predict and step == trainer.step
