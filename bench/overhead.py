@@ -334,8 +334,9 @@ def _arm_step(arm: str, workload: Workload, device: torch.device, seed: int = 0)
             workload.loss_fn(model, batch).backward()
             update()
         return lean, None, model
-    config = ARMS[arm] if arm in ARMS else OPT_IN_CONFIGS.get(arm)
-    if config is None:  # the plain loop, or the second one (PLAIN_AGAIN)
+    # A trainer arm's config; None for the plain loop and the second one; KeyError for no arm.
+    config = ARMS[arm] if arm in ARMS else None if arm == PLAIN_AGAIN else OPT_IN_CONFIGS[arm]
+    if config is None:
         def plain(batch) -> None:
             optimizer.zero_grad(set_to_none=True)
             workload.loss_fn(model, batch).backward()
