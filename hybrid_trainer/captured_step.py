@@ -168,7 +168,8 @@ class CapturedStep:
                 self._warm += 1
                 with self.graphs.warmup():
                     return trainer._steady_step(batch)
-            why = _not_capturable(leaves, trainer.device)
+            # What the trainer was built with may have changed since (a hook registered later).
+            why = self._why_not(trainer, self.graphs) or _not_capturable(leaves, trainer.device)
             if why is not None:
                 self.off_reason = why
                 warn_user(f"HybridConfig.cuda_graph: steps run eagerly ({why})")

@@ -230,12 +230,20 @@ def test_without_a_cuda_device_it_says_so_and_steps_eagerly():
     assert trainer.captured.replays == 0
 
 
-def test_optimizer_step_hooks_turn_it_off(stand_in):
+def test_optimizer_step_hooks_turn_it_off_registered_before_or_after_the_trainer_is_built(stand_in):
     model = torch.nn.Linear(12, 3)
     optimizer = torch.optim.AdamW(model.parameters(), fused=True)
-    optimizer.register_step_post_hook(lambda *args: None)
+    handle = optimizer.register_step_post_hook(lambda *args: None)
     with pytest.warns(RuntimeWarning, match="step hooks"):
         HybridTrainer(model, optimizer, _loss, HybridConfig(predict=False, read_every=8, cuda_graph=True))
+    handle.remove()
+    trainer = HybridTrainer(model, optimizer, _loss, HybridConfig(predict=False, read_every=8, cuda_graph=True))
+    calls = []
+    optimizer.register_step_post_hook(lambda *args: calls.append(1))  # after: found when it would capture
+    with pytest.warns(RuntimeWarning, match="step hooks"):
+        for b in _batches(20):
+            trainer.step(b)
+    assert trainer.captured.captures == 0 and len(calls) == 20  # every update ran its hook
 
 
 def test_a_capture_that_fails_turns_it_off_and_the_run_goes_on_eagerly(monkeypatch):
