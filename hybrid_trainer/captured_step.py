@@ -42,6 +42,7 @@ import torch
 from torch.optim import optimizer as torch_optimizer
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .deferred_checks import update_unless_non_finite
 from .user_warning import warn_user
 
 WARMUP_STEPS = 3
@@ -219,13 +220,7 @@ class CapturedStep:
             loss = loss.detach()
             values = [loss if loss.dtype is torch.float32 else loss.float(), *([] if norms is None else norms)]
             found.zero_()
-            torch._amp_foreach_non_finite_check_and_unscale_(values, found, one)
-            optimizer.found_inf = found
-            try:
-                guard.step_optimizer()
-            finally:
-                del optimizer.found_inf
-            guard.buffers_before.restore_where(found)
+            update_unless_non_finite(guard, values, found, one)
             self._row = torch.stack(values)
 
         # torch refuses to capture an update whose groups say capturable=False; the fused update

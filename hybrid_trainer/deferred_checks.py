@@ -101,18 +101,8 @@ class DeferredChecks:
         float32 do not read as non-finite there, and the monitor judges their global norm."""
         # ``float()`` of a float32 loss returns it, but only after a call through the dispatcher.
         values = [loss if loss.dtype is torch.float32 else loss.float(), *([] if norms is None else norms)]
-        optimizer = guard.optimizer
-        if getattr(optimizer, "_step_supports_amp_scaling", False):
-            found = self._found_flag(loss.device)
-            # GradScaler's own check: one op sets found to 1 if a value is not finite (the
-            # multiplication by 1 leaves the values as they are).
-            torch._amp_foreach_non_finite_check_and_unscale_(values, found, self._one)
-            optimizer.found_inf = found
-            try:
-                guard.step_optimizer()
-            finally:
-                del optimizer.found_inf
-            guard.buffers_before.restore_where(found)
+        if getattr(guard.optimizer, "_step_supports_amp_scaling", False):
+            update_unless_non_finite(guard, values, self._found_flag(loss.device), self._one)
             result.values_on_device(values, has_norm=norms is not None)
             self.pending.append((result, values, norms is not None))
             return
@@ -206,6 +196,23 @@ class DeferredChecks:
         for result, _, _ in pending:
             result.settled = True
         return [result for result, _, _ in pending]
+
+
+def update_unless_non_finite(guard: Any, values: list[torch.Tensor], found: torch.Tensor, one: torch.Tensor) -> None:
+    """The step's update, skipped on the device if one of ``values`` (0-d float32 tensors) is not
+    finite, with nothing read: GradScaler's own check sets ``found`` (a 0-d float32 zero) to 1
+    in one op (the multiplication by ``one`` leaves the values as they are), the fused update
+    skips itself on it, and the module buffers take back their values from before the forward
+    where it is set. :meth:`DeferredChecks.launch` and the captured step
+    (:mod:`~hybrid_trainer.captured_step`) issue these ops."""
+    torch._amp_foreach_non_finite_check_and_unscale_(values, found, one)
+    optimizer = guard.optimizer
+    optimizer.found_inf = found
+    try:
+        guard.step_optimizer()
+    finally:
+        del optimizer.found_inf
+    guard.buffers_before.restore_where(found)
 
 
 def _stack_block(on_device: list[Any]) -> torch.Tensor:
