@@ -126,7 +126,7 @@ def test_replayed_steps_decide_report_and_train_as_the_eager_deferred_steps(stan
     graph = trainer_g.statistics()["cuda_graph"]
     # Captured once, and again after a rollback, which may have given the state new tensors.
     assert graph["captures"] == stand_in.captured == 1 + rollbacks and graph["off_reason"] is None
-    assert graph["replays"] > 50  # every step but the warm-up ones, those that take a good state and the rollback's
+    assert graph["replays"] > 50  # every step but the warm-up ones and those read one by one after the rollback
     assert stand_in.warmups == graph["captures"] * captured_step.WARMUP_STEPS
     assert "CUDA graph: " in trainer_g.summary()
 
