@@ -24,14 +24,16 @@
 #      >= 0.97x the plain loop, Fashion-MNIST then the char-LM:
 #      docs/results/overhead_cuda_fused.{json,md};
 #   3. the same with the step replayed from a CUDA graph, beside predict=False, both models
-#      (--arms: the other figures of step 2 kept).
+#      (--arms: the other figures of step 2 kept), and that trainer's device memory on
+#      Fashion-MNIST beside the plain loop's and predict=False's (in the logs).
 # Runs where the device tool runs commands: the repository root, python3 holding a CUDA torch.
 set -u
 cd "$(dirname "$0")/.."
-TESTS_CAP=${TESTS_CAP:-100}
+TESTS_CAP=${TESTS_CAP:-75}
 FASHION_CAP=${FASHION_CAP:-150}
 CHARLM_CAP=${CHARLM_CAP:-180}
-GRAPH_CAP=${GRAPH_CAP:-110}
+GRAPH_CAP=${GRAPH_CAP:-90}
+MEMORY_CAP=${MEMORY_CAP:-15}
 PYTHON=${PYTHON:-python3}
 DATA=${DEVDATA:-.devdata}
 OUT=${OUT:-build/gpu_session}
@@ -91,6 +93,15 @@ step overhead_charlm "$CHARLM_CAP" "$PYTHON" -m bench.overhead --device cuda --f
 # models' other figures kept from the two runs above.
 step overhead_cuda_graph "$GRAPH_CAP" "$PYTHON" -m bench.overhead --device cuda --fused-adamw \
     --models fashion charlm --steps 1000 --arms "predict=False, cuda_graph" "predict=False"
+# The replayed trainer's device memory (allocator peak over 40 steps, a fresh process each), beside
+# the plain loop's and predict=False's measured the same way: the graph keeps the gradients and its
+# own pool between steps, which the benchmark's memory runs (every arm but this one) do not show.
+step memory_plain "$MEMORY_CAP" "$PYTHON" -m bench.overhead --device cuda --fused-adamw --memory-steps 40 \
+    --child fashion plain
+step memory_predict_off "$MEMORY_CAP" "$PYTHON" -m bench.overhead --device cuda --fused-adamw --memory-steps 40 \
+    --child fashion "predict=False"
+step memory_cuda_graph "$MEMORY_CAP" "$PYTHON" -m bench.overhead --device cuda --fused-adamw --memory-steps 40 \
+    --child fashion "predict=False, cuda_graph"
 
 # The result files this call wrote (not the committed ones a failed step left), and every log.
 results=$(find docs/results/overhead_cuda_fused.* -newer "$LOGS/machine.log" 2>/dev/null)

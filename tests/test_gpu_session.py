@@ -38,7 +38,7 @@ class _Parsed(Exception):
 def test_every_module_the_session_runs_accepts_its_arguments(monkeypatch):
     commands = _commands()
     modules = [argv[1] for argv in commands]
-    assert modules == ["pytest", "bench.overhead", "bench.overhead", "bench.overhead"]
+    assert modules == ["pytest"] + ["bench.overhead"] * 6
     parse = argparse.ArgumentParser.parse_args
 
     def parse_then_stop(self, args=None, namespace=None):
@@ -46,12 +46,21 @@ def test_every_module_the_session_runs_accepts_its_arguments(monkeypatch):
         raise _Parsed(parsed)
 
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    seen = []
     for argv in commands[1:]:
         module = importlib.import_module(argv[1])
         with pytest.raises(_Parsed) as parsed:
             module.main(argv[2:])
         assert parsed.value.args[0].device == "cuda"
-    assert parsed.value.args[0].arms == ["predict=False, cuda_graph", "predict=False"]  # the last: the replayed step
+        seen.append(parsed.value.args[0])
+    assert seen[2].arms == ["predict=False, cuda_graph", "predict=False"]  # the replayed step, timed
+    assert [args.child for args in seen[3:]] == [["fashion", arm] for arm in  # and its memory, beside two others
+                                                 ("plain", "predict=False", "predict=False, cuda_graph")]
+    # Its caps add up to what its header says, inside a call's 600 s.
+    text = SCRIPT.read_text()
+    caps = dict(re.findall(r"^([A-Z]+)_CAP=\$\{\1_CAP:-(\d+)\}$", text, re.M))
+    spent = sum(int(cap) * text.count(f'"${name}_CAP"') for name, cap in caps.items())  # a cap used by 3 steps counts 3 times
+    assert len(caps) == 5 and spent == 540 and "add up to 540" in text
     # The tests it runs exist.
     test_paths = [word for word in commands[0] if word.endswith(".py")]
     assert test_paths and all((ROOT / path).is_file() for path in test_paths)
@@ -84,12 +93,14 @@ def test_a_step_past_its_cap_is_stopped_the_others_run_and_every_log_comes_back(
                                    GRAPH_CAP="1"))
     assert done.returncode == 1, done.stdout + done.stderr  # one step failed (stopped at its cap)
     assert "== overhead_cuda_graph: exit 124" in done.stdout
-    assert all(f"== {name}: exit 0" in done.stdout for name in ("tests", "overhead_fashion", "overhead_charlm"))
+    assert all(f"== {name}: exit 0" in done.stdout for name in ("tests", "overhead_fashion", "overhead_charlm",
+                                                                  "memory_cuda_graph"))
     with tarfile.open(out / "gpu_session.tgz") as archive:
         logs = {Path(name).name: archive.extractfile(name).read().decode()
                 for name in archive.getnames() if name.endswith(".log")}
     assert set(logs) == {"machine.log", "tests.log", "overhead_fashion.log", "overhead_charlm.log",
-                         "overhead_cuda_graph.log"}
+                         "overhead_cuda_graph.log", "memory_plain.log", "memory_predict_off.log",
+                         "memory_cuda_graph.log"}
     assert "--fused-adamw" in logs["overhead_charlm.log"] and "--models charlm" in logs["overhead_charlm.log"]
     # The benchmarks record the commit the tree was copied from; the tests read the tree itself.
     assert "commit: 0123abcd dirty: 0" in logs["overhead_fashion.log"]
