@@ -115,6 +115,7 @@ class CapturedStep:
 
     @staticmethod
     def _why_not(trainer: Any, graphs: CudaGraphs | None) -> str | None:
+        """Why the run cannot replay its steps (the first reason found), or None."""
         guard, optimizer = trainer.guard, trainer.optimizer
         if graphs is None:
             return f"the trained tensors are on {trainer.device}, not a CUDA device"
@@ -267,6 +268,7 @@ def _layout(leaves: list[Any], spec: Any) -> tuple[Any, ...]:
 
 
 def _not_capturable(leaves: list[Any], device: torch.device) -> str | None:
+    """Why a batch with these leaves cannot be the graph's input (a tensor off ``device``), or None."""
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor) and leaf.device != device:
             return (f"a batch tensor is on {leaf.device}, the model on {device}: the graph reads its inputs from "
