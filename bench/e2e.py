@@ -10,7 +10,8 @@ Protocol (``bench.protocol``):
 * Arms: AdamW at the learning rate picked by a small sweep (recorded in the output), the same
   loop at 2× that rate (repeating updates resembles a larger step: the honest competitor), and
   HybridTrainer at the tuned rate (default config; ``no-predict``: prediction off, what the
-  trainer's safety layer alone costs; ``aggressive``, ``conservative`` and ``forced``, which
+  trainer's safety layer alone costs; ``no-predict-graph``: the same, its steady step replayed
+  from a CUDA graph, with ``--device cuda --fused-adamw``; ``aggressive``, ``conservative`` and ``forced``, which
   predicts at every decision whatever it is worth, on request). ``weight-average``: the
   trainer evaluated at its lag-corrected weight average, at the rate a second sweep (1×, 2×, 4×
   the tuned one, final loss at the average) picks, with its control, the AdamW loop at that rate

@@ -492,8 +492,8 @@ def sweep_lr(task: Task, seed: int, lrs: list[float] | None = None, average: boo
 # skipped on the device when they are not finite), which a GPU step otherwise waits for.
 ADAMW_OPTIONS: dict[str, object] = {}
 
-PRESETS = ("default", "conservative", "aggressive", "no-predict", "weight-average", "schedule-free", "muon", "forced",
-           "muon-forced")
+PRESETS = ("default", "conservative", "aggressive", "no-predict", "no-predict-graph", "weight-average", "schedule-free",
+           "muon", "forced", "muon-forced")
 MUON_PRESETS = ("muon", "muon-forced")  # the presets whose optimizer is Muon + AdamW
 # Schedule-free AdamW (Defazio et al. 2024, the ``schedulefree`` package): its gradients are taken
 # between an SGD-like iterate and the running average of it, and the average is what it evaluates.
@@ -511,6 +511,8 @@ FORCED_PREDICTION = dict(min_predicted_worth=-1.0, confidence_threshold=0.0, cos
 
 def preset_config(name: str) -> HybridConfig:
     """``no-predict`` is the trainer with prediction off: what its safety layer alone costs;
+    ``no-predict-graph`` the same with its steady step replayed from a CUDA graph
+    (``cuda_graph=True``; on a CPU it steps as ``no-predict`` does, and says so);
     ``weight-average`` the default config evaluated at its lag-corrected weight average;
     ``forced`` the default config predicting at every phase decision (:data:`FORCED_PREDICTION`);
     ``schedule-free`` and ``muon`` the default config over another optimizer, ``muon-forced``
@@ -521,6 +523,8 @@ def preset_config(name: str) -> HybridConfig:
         return HybridConfig(**FORCED_PREDICTION)
     if name == "no-predict":
         return HybridConfig(predict=False)
+    if name == "no-predict-graph":
+        return HybridConfig(predict=False, cuda_graph=True)
     if name == "weight-average":
         return HybridConfig(weight_average=True)
     if name in ("schedule-free", "muon"):  # the default config; the arm's optimizer is what differs

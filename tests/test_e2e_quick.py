@@ -100,6 +100,8 @@ def test_first_crossing_interpolates_in_time():
 
 def test_presets_map_to_configs_and_a_bad_name_fails_before_any_run(tmp_path):
     assert protocol.preset_config("no-predict").predict is False
+    graph = protocol.preset_config("no-predict-graph")
+    assert graph.cuda_graph and not graph.predict and not protocol.preset_config("no-predict").cuda_graph
     assert protocol.preset_config("aggressive") == protocol.HybridConfig.aggressive()
     with pytest.raises(ValueError, match="--presets: each must be one of"):
         e2e.main(["--quick", "--tasks", "digits", "--presets", "fast", "--out", str(tmp_path)])
