@@ -18,25 +18,30 @@ graph's input tensors, the replay, that row copied into a ring the guard reads o
 When it replays: prediction off for good on the steady path, the deferred checks on (a GPU's
 default ``read_every``; a good state taken; not from a rollback until the next good state), a
 fused optimizer that skips on the device, no ``grad_clip``, no optimizer step hooks, batches whose
-tensors are on the device. First :data:`WARMUP_STEPS` steps run eagerly on a side stream (what
-torch.cuda.graphs asks of a whole-network capture), then the next step is captured (nothing
-runs) and replayed. Any step that does not fit runs eagerly (the same ops): a batch of another
-shape (the graph is kept), a step whose guard reads it at once (after a rollback, until the next
-good state, and the step that then takes it). The graph is dropped and captured
-again after warm-up when the weights or optimizer state it points at may have been replaced (a
-rollback, a loaded checkpoint, a change of what is trained) or when a value it holds as a
-constant changes (any optimizer hyperparameter, the learning rate included); after
-:data:`MAX_CAPTURES` captures the run goes on eagerly (a scheduler that changes the learning rate
-every step).
+tensors are on the device (other leaves plain values: numbers, strings). First
+:data:`WARMUP_STEPS` steps run eagerly on a side stream (what torch.cuda.graphs asks of a
+whole-network capture), then the next step shaped as the last of them is captured (nothing runs)
+and replayed. Any step that does not fit runs eagerly (the same ops): a batch of another shape
+(the graph is kept, unless :data:`MISSES_TO_DROP` in a row do not fit it), a step whose guard
+reads it at once (after a rollback, until the next good state, and the step that then takes it).
+The graph is dropped and captured again after warm-up when what it points at may have been
+replaced (a rollback, a loaded checkpoint, a change of what is trained, the optimizer's state
+loaded by the user, the buffers' copies remade), when what it was recorded with changed (the
+loss function, the model's train/eval mode, optimizer step hooks registered: then it stays off)
+or when a value it holds as a constant changes (any optimizer hyperparameter, the learning rate
+included); after :data:`MAX_CAPTURES` captures the run goes on eagerly (a scheduler that changes
+the learning rate every step).
 
 What a graph cannot see: Python that the forward runs (a hook that counts calls, a ``print``)
 runs once, at capture; a loss function that reads a value back (``.item()``) cannot be captured
-(the capture fails, the run goes on eagerly with a warning). Gradients stay allocated in the
-graph's memory between steps, where the eager steps free them.
+(the capture fails, the run goes on eagerly with a warning); weights must be updated in place
+(``p.data = ...`` is not seen). Gradients stay allocated in the graph's memory between steps,
+where the eager steps free them.
 """
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Callable, Iterator
 
 import torch
@@ -48,10 +53,13 @@ from .user_warning import warn_user
 
 WARMUP_STEPS = 3
 MAX_CAPTURES = 8
+MISSES_TO_DROP = 3
 
 
 class CudaGraphs:
-    """torch.cuda's graphs on ``device``: the side stream of the warm-up steps and the capture."""
+    """torch.cuda's graphs on ``device``: one side stream for the warm-up steps and the capture
+    (torch's make_graphed_callables warms up and captures on one stream too: libraries that keep a
+    handle per stream then make it before the capture, not inside it)."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -60,18 +68,38 @@ class CudaGraphs:
     @contextlib.contextmanager
     def warmup(self) -> Iterator[None]:
         """Run the enclosed eager steps on the side stream, ordered after and before the current
-        stream's work."""
+        stream's work (before, whether or not they raise)."""
         current = torch.cuda.current_stream(self.device)
         self.side.wait_stream(current)
-        with torch.cuda.stream(self.side):
-            yield
-        current.wait_stream(self.side)
+        try:
+            with torch.cuda.stream(self.side):
+                yield
+        finally:
+            current.wait_stream(self.side)
 
     def capture(self, body: Callable[[], None]) -> Callable[[], None]:
-        """Record ``body``'s device work (it runs once as Python; no kernel runs); returns the replay."""
+        """Record ``body``'s device work (it runs once as Python; no kernel runs); returns the replay.
+
+        On the trainer's device, whatever device is current (torch records only the capture
+        stream's device: ops on another would run for real and leave an empty graph, which torch
+        only warns about, so an empty graph is a failed capture here). ``thread_local``: another
+        thread's CUDA calls (a DataLoader pinning memory) are not errors during the capture, as
+        they are in torch's default mode, where both the capture and that thread's next batch would
+        fail. A capture that fails at its end can leave the thread on the capture stream: the
+        current stream is put back."""
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            body()
+        current = torch.cuda.current_stream(self.device)
+        try:
+            with torch.cuda.device(self.device), warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with torch.cuda.graph(graph, stream=self.side, capture_error_mode="thread_local"):
+                    body()
+        finally:
+            torch.cuda.set_stream(current)
+        for warning in caught:
+            if "empty" in str(warning.message) and "graph" in str(warning.message).lower():
+                raise RuntimeError(f"the captured graph is empty ({warning.message})")
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
         return graph.replay
 
 
@@ -112,6 +140,9 @@ class CapturedStep:
         self._row: torch.Tensor | None = None  # the step's [loss, n_1, ..., n_k], written by the graph
         self._ring: torch.Tensor | None = None  # one row a queued step, read at the guard's read
         self._keep: tuple[Any, ...] = ()  # tensors the graph points at that nothing else holds
+        self._built: tuple[Any, ...] = ()  # _built_from() at capture
+        self._warm_layout: tuple[Any, ...] | None = None  # the last warm-up step's batch layout
+        self._misses = 0  # steps in a row whose batch the graph does not fit
 
     @staticmethod
     def _why_not(trainer: Any, graphs: CudaGraphs | None) -> str | None:
@@ -136,6 +167,28 @@ class CapturedStep:
             return "optimizer step hooks are registered: a replay would not run them"
         return None
 
+    def _built_from(self) -> tuple[Any, ...]:
+        """What the graph points at or was recorded with that a load, an eager step or the user
+        may replace without the weights' tensors changing: the optimizer's state dict (its
+        ``load_state_dict`` makes a new one), the buffers' saved copies and the buffers, the loss
+        function, the model's mode, whether optimizer step hooks are registered (a replay runs
+        none). Compared by identity, a step at a time (~1 µs for a model without buffers)."""
+        trainer = self.trainer
+        guard, optimizer = trainer.guard, trainer.optimizer
+        buffers = guard.buffers_before
+        hooks = bool(optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
+                     or torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks)
+        return (optimizer.state, buffers._saved, trainer.loss_fn, trainer.model.training, hooks,
+                *[owner._buffers[name] for owner, name in buffers.slots])
+
+    def _still_valid(self) -> bool:
+        """Whether the graph may replay the next step: no rollback or retarget since it was
+        captured, the optimizer's values the same, and nothing of :meth:`_built_from` replaced."""
+        built_from = self._built_from()
+        return (self.trainer.guard.restores == self._restores
+                and hyperparameters(self.trainer.optimizer) == self._constants
+                and len(built_from) == len(self._built) and all(a is b for a, b in zip(built_from, self._built)))
+
     @property
     def captured(self) -> bool:
         return self._replay is not None
@@ -143,7 +196,8 @@ class CapturedStep:
     def drop(self) -> None:
         """Forget the graph (its memory goes with it); the next eligible steps warm up and capture again."""
         self._replay = self._row = self._ring = None
-        self._static, self._layout, self._warm, self._keep = [], None, 0, ()
+        self._static, self._layout, self._warm, self._keep, self._built = [], None, 0, (), ()
+        self._warm_layout, self._misses = None, 0
 
     def statistics(self) -> dict[str, Any]:
         return dict(captures=self.captures, replays=self.replays, captured=self.captured, off_reason=self.off_reason)
@@ -157,33 +211,38 @@ class CapturedStep:
             trainer._settle()  # a ring slot a queued step: none is taken twice before the read
         if self.off_reason is not None or not guard.defers() or guard.snapshot_due is not None:
             return trainer._steady_step(batch)  # eager: nothing to capture, or a good state to take first
-        if self._replay is not None and (guard.restores != self._restores
-                                         or hyperparameters(trainer.optimizer) != self._constants):
+        if self._replay is not None and not self._still_valid():
             self.drop()  # the state it points at may be new tensors, or its constants changed
-            if self.captures >= MAX_CAPTURES:
-                self.off_reason = (f"captured {self.captures} times: the learning rate or another optimizer "
-                                   f"value changes too often (a scheduler)")
-                warn_user(f"HybridConfig.cuda_graph: steps run eagerly from step {trainer.step_count} "
-                          f"({self.off_reason})")
-                return trainer._steady_step(batch)
         leaves, structure = _flatten(batch)
         layout = _layout(leaves, structure)
         if self._replay is None:
-            if self._warm < WARMUP_STEPS:
+            # Captured on a batch shaped as the last warm-up step's: a loader's short last batch
+            # falling on the capture would leave every later batch eager.
+            if self._warm < WARMUP_STEPS or layout != self._warm_layout:
                 self._warm += 1
+                self._warm_layout = layout
                 with self.graphs.warmup():
                     return trainer._steady_step(batch)
             # What the trainer was built with may have changed since (a hook registered later).
             why = self._why_not(trainer, self.graphs) or _not_capturable(leaves, trainer.device)
+            if why is None and self.captures >= MAX_CAPTURES:
+                why = (f"captured {self.captures} times: the learning rate or another value the graph holds changes "
+                       f"too often (a scheduler), or the batches' shapes do")
             if why is not None:
                 self.off_reason = why
-                warn_user(f"HybridConfig.cuda_graph: steps run eagerly ({why})")
+                warn_user(f"HybridConfig.cuda_graph: steps run eagerly from step {trainer.step_count} ({why})")
                 return trainer._steady_step(batch)
             self._capture(batch, leaves, layout)
             if self._replay is None:  # the capture failed: off for the run
                 return trainer._steady_step(batch)
         elif layout != self._layout:
-            return trainer._steady_step(batch)  # another shape (a last short batch): the graph is kept
+            # Another shape (a last short batch): the graph is kept, unless the batches no longer
+            # fit it (MISSES_TO_DROP in a row), when it is captured again on theirs.
+            self._misses += 1
+            if self._misses >= MISSES_TO_DROP:
+                self.drop()
+            return trainer._steady_step(batch)
+        self._misses = 0
         return trainer._captured_step(self, leaves)
 
     def replay(self, leaves: list[Any], result: Any) -> None:
@@ -245,9 +304,13 @@ class CapturedStep:
                 group["capturable"] = flag
         self._replay, self._layout = replay, layout
         self._static = [leaf for leaf in static_leaves if isinstance(leaf, torch.Tensor)]
-        self._constants, self._restores = hyperparameters(optimizer), guard.restores
+        self._constants, self._restores, self._built = hyperparameters(optimizer), guard.restores, self._built_from()
         self.captures += 1
         self._keep = (static_batch, found, one)  # the graph holds their addresses, not the tensors
+
+
+_PLAIN_VALUES = (int, float, bool, str, bytes, type(None))
+_NOT_PLAIN = object()  # in a layout, a leaf that is neither a tensor nor a plain value (not compared)
 
 
 def _flatten(batch: Any) -> tuple[Any, Any]:
@@ -263,14 +326,21 @@ def _flatten(batch: Any) -> tuple[Any, Any]:
 def _layout(leaves: list[Any], spec: Any) -> tuple[Any, ...]:
     """What a batch must share with the one the graph was captured with: its structure, its
     tensors' shapes, dtypes and devices, its other values."""
-    return (spec, *[(leaf.shape, leaf.dtype, leaf.device) if isinstance(leaf, torch.Tensor) else leaf
-                    for leaf in leaves])
+    return (spec, *[(leaf.shape, leaf.dtype, leaf.device) if isinstance(leaf, torch.Tensor)
+                    else leaf if isinstance(leaf, _PLAIN_VALUES) else _NOT_PLAIN for leaf in leaves])
+
+
 
 
 def _not_capturable(leaves: list[Any], device: torch.device) -> str | None:
-    """Why a batch with these leaves cannot be the graph's input (a tensor off ``device``), or None."""
+    """Why a batch with these leaves cannot be the graph's input (a tensor off ``device``, a value
+    that is neither a tensor nor a plain scalar, which the graph would hold as it was), or None."""
     for leaf in leaves:
-        if isinstance(leaf, torch.Tensor) and leaf.device != device:
-            return (f"a batch tensor is on {leaf.device}, the model on {device}: the graph reads its inputs from "
-                    f"tensors on the device; move the batch there before trainer.step")
+        if isinstance(leaf, torch.Tensor):
+            if leaf.device != device:
+                return (f"a batch tensor is on {leaf.device}, the model on {device}: the graph reads its inputs "
+                        f"from tensors on the device; move the batch there before trainer.step")
+        elif not isinstance(leaf, _PLAIN_VALUES):
+            return (f"the batch holds a {type(leaf).__name__}: a graph takes tensors on the device and plain "
+                    f"values (numbers, strings) that stay the same")
     return None

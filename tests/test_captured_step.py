@@ -13,6 +13,7 @@ tensors), which checks everything but the kernels' recording. The CUDA test at t
 real graphs.
 """
 import contextlib
+import numpy as np
 import warnings
 
 import pytest
@@ -284,3 +285,105 @@ def test_on_cuda_the_replayed_run_decides_and_trains_as_the_eager_one(batch_norm
     rollbacks = trainer_e.stats.divergence_rollbacks
     assert rollbacks == (0 if batch_norm else 1) == trainer_g.stats.divergence_rollbacks  # batch norm takes the spike
     assert trainer_g.captured.captures == 1 + rollbacks and trainer_g.captured.replays > 50
+
+
+def _after(step_index, action):
+    """``between`` for :func:`_run`: ``action(trainer)`` before step ``step_index``."""
+    def between(trainer, index):
+        if index == step_index:
+            action(trainer)
+    return between
+
+
+def _scaled_loss(model, batch):
+    return 2.0 * _loss(model, batch)
+
+
+@pytest.mark.parametrize("action", ["load the optimizer's state", "replace the loss", "evaluate a while"])
+def test_what_the_graph_was_built_from_replaced_by_the_user_is_captured_again(stand_in, action):
+    # Each leaves the weights' tensors where they were, which a graph would not notice: a loaded
+    # optimizer state is new tensors, a new loss function other ops, eval mode other kernels.
+    batches = _batches(70)
+    if action == "load the optimizer's state":
+        between = _after(35, lambda trainer: trainer.optimizer.load_state_dict(trainer.optimizer.state_dict()))
+    elif action == "replace the loss":
+        between = _after(35, lambda trainer: setattr(trainer, "loss_fn", _scaled_loss))
+    else:
+        def between(trainer, index):
+            if index == 35:
+                trainer.model.eval()
+            elif index == 50:
+                trainer.model.train()
+    model_e, trainer_e, eager = _run(False, batches, between=between)
+    model_g, trainer_g, replayed = _run(True, batches, between=between)
+    assert replayed == eager
+    assert_same_state(_state(model_g, trainer_g), _state(model_e, trainer_e))
+    assert trainer_g.captured.captures == (3 if action == "evaluate a while" else 2)
+
+
+def test_a_step_hook_registered_after_the_capture_turns_it_off_and_every_update_runs_it(stand_in):
+    batches = _batches(40)
+    model, trainer = _make(True)
+    for b in batches[:20]:
+        trainer.step(b)
+    assert trainer.captured.captured
+    calls = []
+    trainer.optimizer.register_step_post_hook(lambda *args: calls.append(1))
+    with pytest.warns(RuntimeWarning, match="step hooks"):
+        for b in batches[20:]:
+            trainer.step(b)
+    assert len(calls) == 20 and not trainer.captured.captured and trainer.captured.captures == 1
+
+
+def _capture_step(batches):
+    """The index of the step at which a cuda_graph trainer captures, over ``batches``."""
+    graphs = GraphStandIn()
+    _, trainer = _make(True)
+    trainer.captured.graphs = graphs
+    for index, b in enumerate(batches):
+        trainer.step(b)
+        if graphs.captured:
+            return index
+    raise AssertionError("no capture")
+
+
+def test_a_short_batch_where_it_would_capture_is_stepped_and_the_next_full_one_captured(stand_in):
+    batches = _batches(40)
+    at = _capture_step(batches)
+    batches[at] = (batches[at][0][:9], batches[at][1][:9])
+    model_e, trainer_e, eager = _run(False, batches)
+    model_g, trainer_g, replayed = _run(True, batches)
+    assert replayed == eager
+    assert_same_state(_state(model_g, trainer_g), _state(model_e, trainer_e))
+    # The short batch and the full one after it step eagerly (the capture waits for a warm-up step
+    # shaped as the batch it captures), then every step replays: captured on the short one, the
+    # full batches after it would not fit, and it would be captured again.
+    assert trainer_g.captured.captures == 1
+    assert trainer_g.captured.replays == len(batches) - at - 2
+
+
+def test_batches_that_stop_fitting_the_graph_are_captured_again_on_their_shape(stand_in):
+    batches = _batches(30) + [(x[:10], y[:10]) for x, y in _batches(30, seed=2)]
+    model_e, trainer_e, eager = _run(False, batches)
+    model_g, trainer_g, replayed = _run(True, batches)
+    assert replayed == eager
+    assert_same_state(_state(model_g, trainer_g), _state(model_e, trainer_e))
+    # Dropped after MISSES_TO_DROP steps that did not fit, warmed up and captured again: the
+    # second half replays but for those steps.
+    graph = trainer_g.captured
+    assert graph.captures == 2
+    assert graph.replays == 2 * 30 - _capture_step(batches) - captured_step.MISSES_TO_DROP \
+        - captured_step.WARMUP_STEPS
+
+
+def test_a_batch_holding_other_values_than_tensors_and_plain_scalars_is_not_captured(stand_in):
+    def dict_loss(model, batch):
+        return _loss(model, (batch["x"], batch["y"]))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(12, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), fused=True)
+    trainer = HybridTrainer(model, optimizer, dict_loss, HybridConfig(predict=False, read_every=8, cuda_graph=True))
+    with pytest.warns(RuntimeWarning, match="the batch holds a ndarray"):
+        for x, y in _batches(20):
+            trainer.step({"x": x, "y": y, "ids": np.arange(3)})
+    assert trainer.captured.replays == 0
