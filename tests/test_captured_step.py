@@ -8,9 +8,13 @@ a batch of another shape steps eagerly; a loaded checkpoint drops the graph; whe
 be used, the trainer says why once and steps eagerly.
 
 This machine has no GPU: the CPU tests replace torch.cuda's graphs by a stand-in with their
-contract (a capture runs nothing; a replay runs the captured step's ops again, writing the same
-tensors), which checks everything but the kernels' recording. The CUDA test at the end runs the
-real graphs.
+contract. A capture records the step's aten ops (under a TorchDispatchMode) and leaves every
+tensor as it found it, refusing a value read back; a replay runs only those ops, on the tensors
+they were recorded with, each result written where the capture's was: no Python of the step runs
+again and every constant it was given (a learning rate) stays. A first stand-in that re-ran the
+step's Python at each replay let a graph keep a stale learning rate unnoticed; this one fails it.
+What it cannot check: the kernels' recording, streams and the graph's memory pool. The CUDA tests
+at the end run the real graphs.
 """
 import contextlib
 import numpy as np
@@ -18,6 +22,7 @@ import warnings
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybrid_trainer import HybridConfig, HybridTrainer, captured_step
 from hybrid_trainer.run_report import PendingStepResult
@@ -26,10 +31,38 @@ from _resume import assert_same_state
 pytestmark = pytest.mark.usefixtures("eager_backend")
 
 
+class _Recorder(TorchDispatchMode):
+    """Records every aten op a step issues with its arguments and results, running it; keeps the
+    value each tensor had when an op first took it, so the recording can be undone (every tensor,
+    not only those a schema marks as written: native_batch_norm's does not mark the running
+    statistics it updates); refuses a read back to the host, as a capture does."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+        self.seen = {}  # id -> (tensor, its value when an op first took it)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default:
+            raise RuntimeError("operation not permitted when stream is capturing (a value read back)")
+        for value in [*args, *kwargs.values()]:
+            for tensor in (value if isinstance(value, (list, tuple)) else [value]):
+                if isinstance(tensor, torch.Tensor) and id(tensor) not in self.seen:
+                    self.seen[id(tensor)] = (tensor, tensor.clone())
+        out = func(*args, **kwargs)
+        self.ops.append((func, args, kwargs, out))
+        return out
+
+
 class GraphStandIn:
-    """torch.cuda's graphs as far as the trainer sees them, on the CPU: the warm-up steps run as
-    they are; a capture runs nothing and returns a replay that runs the step's body again (a
-    CUDA graph replays its kernels: the same ops on the same tensors)."""
+    """torch.cuda's graphs as the trainer meets them, on the CPU. The warm-up steps run as they
+    are. A capture records the aten ops of the step (running them, then putting back every tensor
+    they wrote: a capture runs nothing) and refuses a value read back; a replay runs those ops
+    again on the same tensors and writes each result into the tensor the op returned at the
+    capture, as a CUDA graph's kernels write the addresses they were recorded with. No Python of
+    the step runs at a replay, and every value the ops were given at the capture (a learning
+    rate, a flag) is the one they get: what a graph holds as a constant stays one here."""
 
     def __init__(self, fail: bool = False):
         self.fail = fail
@@ -44,8 +77,24 @@ class GraphStandIn:
     def capture(self, body):
         if self.fail:
             raise RuntimeError("operation not permitted when stream is capturing")
+        recorder = _Recorder()
+        with recorder:
+            body()
+        with torch.no_grad():
+            for tensor, before in recorder.seen.values():
+                tensor.copy_(before)
         self.captured += 1
-        return body
+        ops = recorder.ops
+
+        def replay():
+            with torch.no_grad():
+                for func, args, kwargs, out in ops:
+                    result = func(*args, **kwargs)
+                    for target, value in zip(*(([out], [result]) if not isinstance(out, (list, tuple))
+                                                else (out, result))):
+                        if isinstance(target, torch.Tensor) and value is not target:
+                            target.copy_(value)
+        return replay
 
 
 @pytest.fixture
@@ -387,3 +436,24 @@ def test_a_batch_holding_other_values_than_tensors_and_plain_scalars_is_not_capt
         for x, y in _batches(20):
             trainer.step({"x": x, "y": y, "ids": np.arange(3)})
     assert trainer.captured.replays == 0
+
+
+def test_a_loss_function_that_reads_a_value_back_is_not_captured_and_the_run_goes_on(stand_in):
+    logged = []
+
+    def logging_loss(model, batch):
+        loss = _loss(model, batch)
+        logged.append(float(loss.detach()))  # a read back, which a capture refuses
+        return loss
+    batches = _batches(30)
+    model_e, trainer_e, eager = _run(False, batches, batch_norm=False)
+    torch.manual_seed(0)
+    model_g, trainer_g = _make(True, batch_norm=False)
+    trainer_g.loss_fn = logging_loss
+    with pytest.warns(RuntimeWarning, match="could not be captured .*value read back"):
+        replayed = [trainer_g.step(b) for b in batches]
+    trainer_g.close()
+    assert [(r.loss, r.grad_norm, r.skipped) for r in replayed] == [r[:3] for r in eager]
+    assert_same_state(_state(model_g, trainer_g), _state(model_e, trainer_e))
+    assert len(logged) == len(batches)  # every step's (the capture's read raised)
+    assert trainer_g.captured.replays == 0 and stand_in.captured == 0
