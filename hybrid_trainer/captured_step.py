@@ -36,7 +36,9 @@ What a graph cannot see: Python that the forward runs (a hook that counts calls,
 runs once, at capture; a loss function that reads a value back (``.item()``) cannot be captured
 (the capture fails, the run goes on eagerly with a warning); weights must be updated in place
 (``p.data = ...`` is not seen). Gradients stay allocated in the graph's memory between steps,
-where the eager steps free them.
+where the eager steps free them, and the graph keeps its own memory for a step's activations: a
+step run eagerly while a graph is held (a short batch, the per-step reads after a rollback) needs
+its own beside it, about one step's activations and gradients more at the peak.
 """
 from __future__ import annotations
 
