@@ -22,7 +22,10 @@ Arms, interleaved chunk by chunk in one process, every one over ``AdamW(fused=Tr
 * ``guarded, captured``: the same, with the guard's device work in the graph (the per-gradient
   norms, ``[loss, norms]`` stacked, GradScaler's non-finite check setting ``found_inf``, which the
   fused update reads to skip itself), plus one copy of the step's values into a ring of 16 that is
-  read back once per 16 steps, as the trainer's deferred checks read.
+  read back once per 16 steps, as the trainer's deferred checks read;
+* ``trainer, replayed (cuda_graph=True)``: the trainer itself with its steady step replayed from
+  a graph (:mod:`hybrid_trainer.captured_step`), on a GPU; its capture and replay counts are
+  reported beside.
 
 Before the timing, for the trainer alone: a ``cProfile`` of its steady steps (host time by
 function) and the count of device kernels a step launches against the plain loop's
@@ -65,12 +68,13 @@ def plain_arm(workload, device) -> Callable[[Any], None]:
     return step
 
 
-def trainer_arm(workload, device) -> tuple[Callable[[Any], Any], Any]:
+def trainer_arm(workload, device, cuda_graph: bool = False) -> tuple[Callable[[Any], Any], Any]:
     from hybrid_trainer import HybridConfig, HybridTrainer
 
     model = workload.make_model(0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=workload.lr, fused=True)
-    trainer = HybridTrainer(model, optimizer, workload.loss_fn, HybridConfig(seed=0, predict=False))
+    trainer = HybridTrainer(model, optimizer, workload.loss_fn,
+                            HybridConfig(seed=0, predict=False, cuda_graph=cuda_graph))
     return trainer.step, trainer
 
 
@@ -262,12 +266,15 @@ def run(model: str, device: torch.device, rounds: int, chunk: int, profile_steps
     for variant in GUARD_VARIANTS:
         arms[f"lean + guard ops ({variant})"] = guard_ops_arm(workload, device, variant)
     capture_error = None
+    replayed = None
     if device.type == "cuda":
         try:
             arms["plain, captured"] = captured_arm(workload, device, guarded=False)
             arms["guarded, captured"] = captured_arm(workload, device, guarded=True)
         except Exception as error:  # a model that cannot be captured: say why, time the rest
             capture_error = f"{type(error).__name__}: {error}"
+        # The trainer's own replayed step (HybridConfig(cuda_graph=True)), beside the probe's.
+        arms["trainer, replayed (cuda_graph=True)"], replayed = trainer_arm(workload, device, cuda_graph=True)
     # The trainer's host profile and kernel counts first: what a failed capture or a cut-off run
     # must not cost (a device error ends the process).
     for i in range(3 * chunk):  # warm-up: past the trainer's first steps
@@ -280,7 +287,8 @@ def run(model: str, device: torch.device, rounds: int, chunk: int, profile_steps
     print(result["trainer_profile"][:3000], flush=True)
     means = time_arms(arms, workload.batches, device, rounds, chunk, warmup=3 * chunk)
     result.update(trainer_phase=trainer.controller.phase.value,
-                  trainer_prediction_enabled=trainer.controller.prediction_enabled, arms={})
+                  trainer_prediction_enabled=trainer.controller.prediction_enabled, arms={},
+                  replayed=None if replayed is None else replayed.captured.statistics())
     for name, values in means.items():
         row: dict[str, Any] = dict(step_us=statistics.median(values), per_round_us=values)
         if name != "plain":
@@ -310,6 +318,9 @@ def report(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             else:
                 span = "" if row["interval_us"] is None else " [{:+.0f}, {:+.0f}]".format(*row["interval_us"])
                 lines.append(f"| {name} | {row['step_us']:.0f} | {row['over_plain_us']:+.0f}{span} | {row['ratio']:.3f}× |")
+        if r.get("replayed") is not None:
+            lines += ["", "The trainer with `cuda_graph=True`: " + ", ".join(f"{k} {v}" for k, v in r["replayed"].items())
+                      + "."]
         k = r["kernels"]
         lines += ["", f"Kernels per step: plain {k['plain']['kernels_per_step']:.1f}, trainer "
                       f"{k['trainer']['kernels_per_step']:.1f}; aten ops per step: plain "
