@@ -1216,8 +1216,8 @@ def goal_verdict(overhead: float, interval: list[float] | None, goal: float) -> 
     return "NOT met" if interval[0] > goal else "not resolved (its 95% interval spans the goal)"
 
 
-def time_goal(entry: dict[str, Any], device: str = "cpu") -> dict[str, Any] | None:
-    """A model's time goal for ``predict=False`` on ``device`` (``goal``, its text: the CPU's
+def time_goal(entry: dict[str, Any], device: str = "cpu", arm: str = "predict=False") -> dict[str, Any] | None:
+    """A model's time goal for ``arm`` (``predict=False``, or another arm held to its goal) on ``device`` (``goal``, its text: the CPU's
     fixed or relative cost, a GPU's speed ratio), the verdict (:func:`goal_verdict`), the 95%
     interval as text (``shown``) and the noise floor (``noise``, :func:`noise_floor`), from its
     results entry; None where the arm or the plain loop was not timed.
@@ -1226,12 +1226,12 @@ def time_goal(entry: dict[str, Any], device: str = "cpu") -> dict[str, Any] | No
     zero, the protocol has an error of its own: the verdict is drawn from the overhead less that
     loop's median, over the interval of the difference taken at its ends (the arm's low end less
     the noise's high end, and the other way round), so that both uncertainties count."""
-    plain, c = arm_time(entry, "plain"), (entry["arms"].get("predict=False") or {}).get("vs_plain", {})
+    plain, c = arm_time(entry, "plain"), (entry["arms"].get(arm) or {}).get("vs_plain", {})
     if not plain or "overhead_us" not in c:
         return None
     step = plain.get("chunk_median_us", plain.get("median_us"))
     interval = c.get("overhead_ci95_us")
-    timed = entry["arms"]["predict=False"]["time"]
+    timed = entry["arms"][arm]["time"]
     refused = (timed.get("refusals") or {}).get("skipped_steps", 0)
     unsteady = (f"not resolved (the guard refused {refused} of its {timed['steps']} timed steps)"
                 if refused and refused > REFUSED_SHARE_LIMIT * timed["steps"] else None)
@@ -1345,6 +1345,12 @@ def goal_lines(results: dict[str, Any]) -> list[str]:
         out.append(f"- {model}: {c['overhead_us']:+.0f} µs ({100 * (c['time_ratio'] - 1):+.1f}%{goal['shown']}), "
                    f"goal {goal['goal']}: {goal['verdict']}{runs_text}{noise_text}{floor_text}{lean_text}{own_text}"
                    f"{refused_text}")
+        replayed = time_goal(r, device, CUDA_GRAPH) if on_gpu else None
+        if replayed is not None:  # the same goal, for the trainer's steady step replayed from a CUDA graph
+            g = r["arms"][CUDA_GRAPH]["vs_plain"]
+            out.append(f"- {model}, its steady step replayed from a CUDA graph (`{CUDA_GRAPH}`): {g['overhead_us']:+.0f} "
+                       f"µs ({100 * (g['time_ratio'] - 1):+.1f}%{replayed['shown']}), goal {replayed['goal']}: "
+                       f"{replayed['verdict']}")
     return out
 
 

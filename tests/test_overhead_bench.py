@@ -148,6 +148,15 @@ def test_on_a_gpu_the_goal_is_the_speed_ratio_whatever_the_step():
     line = overhead.goal_lines({"device": "cuda", "models": {"m": entry([20.0 + i for i in range(20)])}})[-1]
     assert "goal ≥ 0.97× the plain loop's speed: not resolved" in line  # +25…+34 µs spans 32
     assert "a GPU): at least 0.97× the plain loop's speed" in overhead.goal_lines({"device": "cuda", "models": {}})[0]
+    # The trainer with its steady step replayed from a CUDA graph, where timed, is held to the same goal.
+    replayed = entry([30.0 + i for i in range(20)])
+    replayed["arms"][overhead.CUDA_GRAPH] = _timed_arm([-900.0 + i for i in range(20)])
+    replayed["arms"][overhead.CUDA_GRAPH]["vs_plain"] = overhead.compare(plain, replayed["arms"][overhead.CUDA_GRAPH])
+    lines = overhead.goal_lines({"device": "cuda", "models": {"m": replayed}})
+    assert "goal ≥ 0.97× the plain loop's speed: NOT met" in lines[-2]
+    assert lines[-1].startswith("- m, its steady step replayed from a CUDA graph (`predict=False, cuda_graph`): -")
+    assert lines[-1].endswith("goal ≥ 0.97× the plain loop's speed: met")
+    assert not any("replayed" in line for line in overhead.goal_lines({"models": {"m": replayed}}))  # a CPU: no graph
 
 
 def test_fused_adamw_reaches_every_arm_through_the_environment(monkeypatch):
