@@ -47,10 +47,10 @@ import warnings
 from typing import Any, Callable, Iterator
 
 import torch
-from torch.optim import optimizer as torch_optimizer
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .deferred_checks import update_unless_non_finite
+from .optimizer_call import step_hooks_registered
 from .user_warning import warn_user
 
 WARMUP_STEPS = 3
@@ -164,8 +164,7 @@ class CapturedStep:
             return "grad_clip is set"
         if not guard._grads_uniform:
             return "the trained tensors are not all of one dtype and device"
-        if (optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
-                or torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks):
+        if step_hooks_registered(optimizer):
             return "optimizer step hooks are registered: a replay would not run them"
         return None
 
@@ -178,9 +177,8 @@ class CapturedStep:
         trainer = self.trainer
         guard, optimizer = trainer.guard, trainer.optimizer
         buffers = guard.buffers_before
-        hooks = bool(optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
-                     or torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks)
-        return (optimizer.state, buffers._saved, trainer.loss_fn, trainer.model.training, hooks,
+        return (optimizer.state, buffers._saved, trainer.loss_fn, trainer.model.training,
+                step_hooks_registered(optimizer),
                 *[owner._buffers[name] for owner, name in buffers.slots])
 
     def _still_valid(self) -> bool:

@@ -33,6 +33,13 @@ _GLOBAL_POST_HOOKS = torch_optimizer._global_optimizer_post_hooks
 _profiler_enabled = torch._C._autograd._profiler_enabled
 
 
+def step_hooks_registered(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a step pre- or post-hook is registered, torch's global ones or ``optimizer``'s own
+    (:meth:`OptimizerStep.lean` makes the same test inline: it runs every step)."""
+    return bool(_GLOBAL_PRE_HOOKS or _GLOBAL_POST_HOOKS
+                or optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks)
+
+
 def unwrapped_step(step: Any) -> Callable[[torch.optim.Optimizer], Any] | None:
     """The update inside torch's profiling wrapper ``step`` (a class's ``step``), or None when
     ``step`` is not that wrapper."""
