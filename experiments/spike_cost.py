@@ -3,10 +3,13 @@
 Read per step or once per block, with every alarm refused (the rule before) or a lone alarm taken
 for the batch's:
 
-    python -m experiments.spike_cost [--seeds 3] [--before 2280] [--after 1600] [--scenarios ...]
+    python -m experiments.spike_cost [--model tiny|mlp-1ms] [--seeds 3] [--before 2280] [--after 1600]
+                                     [--scenarios ...]
 
-The tiny MLP of ``bench.overhead`` (a fixed random teacher's labels, 64 batches of 8) steps
-``--before`` times, then ``--after`` times in which the scenario happens:
+A synthetic MLP of ``bench.overhead`` (a fixed random teacher's labels; ``--model tiny``, the
+default: 676 parameters, 64 batches of 8; ``mlp-1ms``: 134k parameters, 64 batches of 32, which
+it learns by heart, so that the batches it has not seen lose ten thousand times more than the
+rest) steps ``--before`` times, then ``--after`` times in which the scenario happens:
 
 * ``new regime`` (nothing is wrong): the first stage steps over 48 of the 64 batches, which the
   model learns by heart; the second over all 64. The 16 it has not seen lose far more than the
@@ -30,7 +33,8 @@ Arms, each with ``AdamW(fused=True)``, the same initial weights and the same bat
 
 Per scenario, arm and seed: the steps refused, the rollbacks and the lone outliers tolerated in
 the second stage, whether the guard stopped the run (``TrainingStalledError``), and the mean loss
-over all 64 clean batches at the end (no gradient). → ``experiments/results/spike_cost.{json,md}``.
+over all 64 clean batches at the end (no gradient). → ``experiments/results/spike_cost.{json,md}``
+(``spike_cost_mlp-1ms.{json,md}`` for ``--model mlp-1ms``).
 """
 from __future__ import annotations
 
@@ -54,13 +58,16 @@ LR_FACTOR = 100.0
 POISON_SCALE = 1000.0
 
 
-def run_arm(scenario: str, arm: str, seed: int, before: int, after: int) -> dict[str, Any]:
+MODELS = ("tiny", "mlp-1ms")
+
+
+def run_arm(scenario: str, arm: str, seed: int, before: int, after: int, model: str = "tiny") -> dict[str, Any]:
     """One arm on one seed: the second stage's refusals, rollbacks and tolerated outliers, and the
     final loss (the GPU arms run inside :func:`bench.protocol.guard_as_on_a_gpu`)."""
     from bench.protocol import guard_as_on_a_gpu
 
     with guard_as_on_a_gpu() if "GPU" in arm else contextlib.nullcontext():
-        return _run(scenario, arm, seed, before, after)
+        return _run(scenario, arm, seed, before, after, model)
 
 
 def second_stage(scenario: str, after: int, batches: list, base_lr: float) -> Callable[[int], tuple[Any, float]]:
@@ -80,12 +87,12 @@ def second_stage(scenario: str, after: int, batches: list, base_lr: float) -> Ca
     return poisoned
 
 
-def _run(scenario: str, arm: str, seed: int, before: int, after: int) -> dict[str, Any]:
+def _run(scenario: str, arm: str, seed: int, before: int, after: int, model_name: str) -> dict[str, Any]:
     from bench.overhead import make_workload
     from hybrid_trainer import HybridConfig, HybridTrainer
     from hybrid_trainer.errors import TrainingStalledError
 
-    workload = make_workload("tiny", 64, torch.device("cpu"))
+    workload = make_workload(model_name, 64, torch.device("cpu"))
     model = workload.make_model(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=workload.lr, fused=True)
     trainer = None
@@ -137,7 +144,8 @@ def _run(scenario: str, arm: str, seed: int, before: int, after: int) -> dict[st
 
 
 def report(result: dict[str, Any], meta: dict[str, Any]) -> str:
-    lines = [f"What the divergence guard costs and saves (CPU, the tiny MLP: {result['before']} steps, then "
+    model = {"tiny": "the tiny MLP", "mlp-1ms": "the 1 ms MLP"}[result.get("model", "tiny")]
+    lines = [f"What the divergence guard costs and saves (CPU, {model}: {result['before']} steps, then "
              f"{result['after']} in which the scenario happens), `{meta['command']}` ({meta['date']}, commit "
              f"{str(meta['git_commit'])[:10]}{' (dirty tree)' if meta['git_dirty'] else ''}). Per scenario and "
              f"arm, the median over {len(result['seeds'])} seeds (each seed's value in brackets): steps refused, "
@@ -162,10 +170,13 @@ def report(result: dict[str, Any], meta: dict[str, Any]) -> str:
 
 
 def parse_stage_arguments(argv: list[str] | None, description: str, seeds: int, scenarios: tuple[str, ...],
-                          name: str) -> argparse.Namespace:
+                          name: str, models: tuple[str, ...] = ()) -> argparse.Namespace:
     """The two-stage runs' command line (this probe's and ``experiments.quiet_probe``'s): seeds,
     the stages' lengths, the scenarios among ``scenarios``, the folder for ``name``'s files."""
     parser = argparse.ArgumentParser(description=description)
+    if models:
+        parser.add_argument("--model", choices=models, default=models[0],
+                            help=f"the synthetic MLP of bench.overhead ({name}_<model>.{{json,md}} for another than {models[0]})")
     parser.add_argument("--seeds", type=int, default=seeds, help="seeds per arm and scenario (0, 1, ...)")
     parser.add_argument("--before", type=int, default=2280, help="steps of the first stage")
     parser.add_argument("--after", type=int, default=1600, help="steps of the second stage, the scenario's")
@@ -178,17 +189,18 @@ def parse_stage_arguments(argv: list[str] | None, description: str, seeds: int, 
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_stage_arguments(argv, __doc__.split("\n")[0], 3, SCENARIOS, "spike_cost")
+    args = parse_stage_arguments(argv, __doc__.split("\n")[0], 3, SCENARIOS, "spike_cost", MODELS)
     from bench.protocol import run_metadata, write_results
 
     meta = run_metadata("python -m experiments.spike_cost " + shlex.join(sys.argv[1:] if argv is None else argv))
     torch.set_num_threads(1)
     logging.getLogger("hybrid_trainer").setLevel(logging.ERROR)  # a warning per refused step
     seeds = list(range(args.seeds))
-    scenarios = {scenario: {arm: [run_arm(scenario, arm, seed, args.before, args.after) for seed in seeds]
+    scenarios = {scenario: {arm: [run_arm(scenario, arm, seed, args.before, args.after, args.model) for seed in seeds]
                             for arm in ARMS} for scenario in args.scenarios}
-    result = dict(before=args.before, after=args.after, seeds=seeds, scenarios=scenarios)
-    write_results(args.out, "spike_cost", dict(meta=meta, result=result), report(result, meta))
+    result = dict(model=args.model, before=args.before, after=args.after, seeds=seeds, scenarios=scenarios)
+    name = "spike_cost" if args.model == MODELS[0] else f"spike_cost_{args.model}"
+    write_results(args.out, name, dict(meta=meta, result=result), report(result, meta))
 
 
 if __name__ == "__main__":

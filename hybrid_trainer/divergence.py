@@ -74,6 +74,24 @@ both sides, a healthy run whose data changes level and runs with a learning rate
 batches (docs/trainer.md, "What a false alarm costs"). What is given up: the first step of a divergence
 that only the z-score sees is applied before the next one is refused (the good state it goes back to
 was taken before it).
+
+Runs of hard batches (also ``blame_lone_alarms_on_the_batch``). A run of batches unlike the window
+(data the model meets after learning the rest by heart: 1.7 against a window of 0.0002 on the 1 ms
+MLP) is critical step after step, so "the next step tells" fails: each run was refused and rolled
+back, and the batches were never learnt while the plain loop learnt them in two passes. The step
+right after a rollback runs at the good state's weights, which were judged healthy: if it is
+critical there, the fault is the batch's. So a run of critical steps that meets the good state's
+weights (:attr:`DivergenceMonitor.at_good_state`) is taken for the batches' from there on: each of
+its steps whose loss and gradient norm lie within the jump rules' bounds around the largest the run
+has accepted (``loss_jump_factor`` x :attr:`~DivergenceMonitor.highest_loss`, ``grad_explosion_factor``
+x :attr:`~DivergenceMonitor.highest_grad_norm`) is a WARNING and its update stands, until a step
+raises nothing critical (the guard then takes a good state, :meth:`DivergenceMonitor.blamed_run_ended`).
+A learning rate gone wrong never starts such a run: the step from the good state has its loss
+measured before its update, and is quiet; weights gone wrong show on the steps after it, which are
+refused and go back as before. A corrupt batch (inputs a thousand times larger) lies far above the
+bounds and is refused even inside a run. What is left: the first critical steps of a run, before
+the rollback whose next step meets the good state, are refused each time the run comes round
+(``python -m experiments.spike_cost --model mlp-1ms``; docs/trainer.md, "What a false alarm costs").
 """
 from __future__ import annotations
 
@@ -185,6 +203,28 @@ def _median_of_sorted(ordered: Sequence[float]) -> float:
     return ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2
 
 
+_HIGHEST = ("highest_loss", "highest_grad_norm")
+
+
+def _finite_or_none(value: float) -> float | None:
+    """A largest-accepted value for a JSON-able state: None while nothing was accepted (-inf)."""
+    return value if math.isfinite(value) else None
+
+
+def _highest(state: dict, where: str) -> tuple[float, float]:
+    """The largest accepted loss and gradient norm saved in ``state`` (:data:`_HIGHEST`); for a
+    state saved before they were, the largest of its own windows (-inf for none)."""
+    values = []
+    for key, window in zip(_HIGHEST, ("losses", "grad_norms")):
+        value = state.get(key)
+        if value is None:
+            value = max(state[window], default=-math.inf)
+        elif not (_is_number(value) and math.isfinite(value)):
+            raise ValueError(f"{where}[{key!r}] must be None or a finite number, got {value!r}")
+        values.append(float(value))
+    return values[0], values[1]
+
+
 def _fmt(value: float) -> str:
     return f"{value:.3g}"
 
@@ -217,9 +257,10 @@ class DivergenceMonitor:
             :attr:`tolerated`) and its update stands; any other (a loss jump, an exploding or
             non-finite gradient) is refused without going back to the good state
             (:meth:`StepGuard.refuse_update`). The next critical step in a row is the weights':
-            refused, and a finite one goes back to the good state. False: every critical step is
-            refused and every finite one goes back (the rule before). Module docstring, "Lone
-            alarms".
+            refused, and a finite one goes back to the good state, unless the run met the good
+            state's weights (then the batches', within bounds; module docstring, "Runs of hard
+            batches"). False: every critical step is refused and every finite one goes back (the
+            rule before). Module docstring, "Lone alarms".
     """
 
     def __init__(
@@ -288,11 +329,22 @@ class DivergenceMonitor:
         # Critical checks in a row (tolerated ones included), ended by a check or a quiet step
         # that raises nothing critical: a lone outlier is one with none before it.
         self.critical_in_a_row = 0
-        self.tolerated = 0  # lone outliers reported as warnings (blame_lone_alarms_on_the_batch)
+        # Critical steps reported as warnings, their updates applied (blame_lone_alarms_on_the_batch):
+        # lone outliers and the steps of runs taken for the batches'.
+        self.tolerated = 0
         self._remembered: tuple | None = None  # the window at the last good state (remember_window)
         # A rollback rewound the window and no good state has been taken since: a guard that
         # reads its checks once per block reads them every step meanwhile (StepGuard.defers).
         self.rewound = False
+        # The largest loss and gradient norm accepted since the run began (rewound with the window):
+        # how high this run's healthy steps have gone, the range a hard batch's values must lie in
+        # to be taken for the batch's (_blamed_on_batches).
+        self.highest_loss = -math.inf
+        self.highest_grad_norm = -math.inf
+        # The weights are the good state's, just restored by a rollback, with no step accepted since.
+        self.at_good_state = False
+        # The run of critical checks going on met the good state's weights (_blamed_on_batches).
+        self._run_blamed = False
         # (loss ceiling, grad-norm floor, grad-norm ceiling) inside which a step is surely quiet
         # against the window as it is; None when the window changed since (_quiet_bounds).
         self._bounds: tuple[float, float, float] | None = None
@@ -303,11 +355,19 @@ class DivergenceMonitor:
         # The trainer passes floats on every step: no conversion call for them.
         loss_value = loss if type(loss) is float else _as_optional_float("loss", loss)
         grad_value = grad_norm if type(grad_norm) is float else _as_optional_float("grad_norm", grad_norm)
+        # A step tolerated from a run of critical ones (critical_in_a_row) widens the window, not the
+        # range such steps must lie in (_blamed_on_batches): runs cannot raise it run after run.
+        quiet = self.critical_in_a_row == 0
         if loss_value is not None and -math.inf < loss_value < math.inf:  # NaN fails both
             self._record_loss(loss_value)
+            if quiet and loss_value > self.highest_loss:
+                self.highest_loss = loss_value
         if grad_value is not None and -math.inf < grad_value < math.inf:
             self._record_grad_norm(grad_value)
+            if quiet and grad_value > self.highest_grad_norm:
+                self.highest_grad_norm = grad_value
         self.refused_in_a_row = 0
+        self.at_good_state = False
         self._bounds = self._quiet_bounds()  # here, where the window was just read: the next check only compares
 
     def _record_loss(self, loss: float) -> None:
@@ -355,12 +415,13 @@ class DivergenceMonitor:
         self._grad_norms.clear()
         self._losses_sorted.clear()
         self._grad_norms_sorted.clear()
+        self.highest_loss = self.highest_grad_norm = -math.inf
 
     def remember_window(self) -> None:
         """Keep a copy of the current history (at most ``window`` + ``oscillation_window`` floats) to go back to
         with :meth:`rewind_window`: the trainer calls it when it snapshots its last good state."""
         self._remembered = (list(self._losses), list(self._sign_changes), self._last_difference,
-                            list(self._grad_norms))
+                            list(self._grad_norms), self.highest_loss, self.highest_grad_norm)
         self.rewound = False
 
     def rewind_window(self) -> None:
@@ -370,18 +431,22 @@ class DivergenceMonitor:
         Why not forget it: an empty history leaves only the history-free rules for ``min_history`` steps, and
         the trajectory just rolled back to is the one the remembered statistics describe, so they judge the
         next steps as well as they judged the steps before the spike. A second spike right after a rollback
-        is then refused like the first (with an empty history it was accepted)."""
+        is then refused like the first (with an empty history it was accepted).
+
+        The weights are then the good state's (:attr:`at_good_state`) until a step is accepted."""
         self.rewound = True
+        self.at_good_state = True
         if self._remembered is None:
             self.reset_window()
             return
-        losses, sign_changes, last_difference, grad_norms = self._remembered
+        losses, sign_changes, last_difference, grad_norms, highest_loss, highest_grad_norm = self._remembered
         self._losses = deque(losses, maxlen=self._loss_capacity)
         self._sign_changes = deque(sign_changes, maxlen=self.oscillation_window - 1)
         self._sign_change_count = sum(self._sign_changes)
         self._last_difference = last_difference
         self._grad_norms = deque(grad_norms, maxlen=self.window)
         self._resort()
+        self.highest_loss, self.highest_grad_norm = highest_loss, highest_grad_norm
 
     def record_refusal(self) -> bool:
         """Count a refused step; returns :attr:`stalled`. An accepted step (:meth:`observe`) ends the run of
@@ -445,10 +510,15 @@ class DivergenceMonitor:
     def observe_quiet(self, loss: float, grad_norm: float | None) -> None:
         """:meth:`observe` for values already found finite and inside :meth:`quiet_limits`."""
         self._record_loss(loss)
+        if loss > self.highest_loss:
+            self.highest_loss = loss
         if grad_norm is not None:
             self._record_grad_norm(grad_norm)
+            if grad_norm > self.highest_grad_norm:
+                self.highest_grad_norm = grad_norm
         self.refused_in_a_row = 0
         self.critical_in_a_row = 0
+        self.at_good_state = False
 
     def check_oscillation_once(self) -> bool:
         """The oscillation test on the accepted losses as they are now, counted as one warning
@@ -513,9 +583,16 @@ class DivergenceMonitor:
                 self.critical_in_a_row = 0
             else:
                 self.critical_in_a_row += 1
+                if self.critical_in_a_row == 1:
+                    self._run_blamed = False  # a new run of critical checks
                 if self.critical_in_a_row == 1 and self._tolerable(findings):
                     severity = Severity.WARNING
                     reasons.append("a lone outlier, tolerated: the step before raised nothing critical")
+                    self.tolerated += 1
+                elif self._blamed_on_batches(loss_value, grad_value, kinds):
+                    severity = Severity.WARNING
+                    reasons.append("taken for the batches': this run of critical steps met the good state's "
+                                   "weights, and its values are no higher than the run has accepted")
                     self.tolerated += 1
         return DivergenceReport(severity=Severity(severity), reasons=reasons, kinds=kinds)
 
@@ -526,6 +603,42 @@ class DivergenceMonitor:
         if not self.blame_lone_alarms_on_the_batch:
             return False
         return all(kind == "loss_z" for level, kind, _ in findings if level is Severity.CRITICAL)
+
+    def _blamed_on_batches(self, loss: float | None, grad_norm: float | None, kinds: list[str]) -> bool:
+        """Whether a critical step of a run of them stands as the batches' fault
+        (``blame_lone_alarms_on_the_batch``): the run met the good state's weights (a critical
+        step right after a rollback, :attr:`at_good_state`), and the step's loss and gradient norm
+        are finite and within the jump rules' bounds around the largest this run has accepted
+        (:attr:`highest_loss`, :attr:`highest_grad_norm`): a loss at most ``loss_jump_factor``
+        times the largest, a norm at most ``grad_explosion_factor`` times the largest.
+
+        Why: the good state's weights were judged healthy, so a step that is critical at them is
+        the batch's; weights gone wrong (a learning rate too high) show on the steps after an
+        update, never on the first one from a good state, whose loss is measured before its
+        update. A run of batches unlike the window (a class or a source of data the model meets
+        late, after learning the rest by heart) is critical step after step; refused each time,
+        they were never learnt, and each run rolled the weights back. Their losses lie in the
+        range of the run's own first steps, their norms near it (a model sure of its answers has
+        larger gradients on what it gets wrong than it had untrained: 11 against 3.3 on the 1 ms
+        MLP); a corrupt batch's (inputs scaled up a thousandfold) lie far above both, and stay
+        refused. The run ends at the first step that raises nothing critical."""
+        if (not self.blame_lone_alarms_on_the_batch or loss is None or "nan" in kinds
+                or not loss - self.highest_loss <= (self.loss_jump_factor - 1) * abs(self.highest_loss)
+                or (grad_norm is not None and not grad_norm <= self.grad_explosion_factor * self.highest_grad_norm)):
+            return False
+        if self.at_good_state:
+            self._run_blamed = True
+        return self._run_blamed
+
+    def blamed_run_ended(self) -> bool:
+        """Whether a run of critical steps taken for the batches' (:meth:`_blamed_on_batches`)
+        has just ended with a step that raised nothing critical; True once per such run. The
+        guard then takes a good state: that step shows the weights the run trained are healthy,
+        and without one the run's next rollback would throw away what it learnt."""
+        if self._run_blamed and self.critical_in_a_row == 0:
+            self._run_blamed = False
+            return True
+        return False
 
     def _quiet_bounds(self) -> tuple[float, float, float]:
         """(loss ceiling, grad-norm floor, grad-norm ceiling): a finite loss at most the ceiling with
@@ -721,9 +834,15 @@ class DivergenceMonitor:
             "critical_in_a_row": self.critical_in_a_row,
             "tolerated": self.tolerated,
             "rewound": self.rewound,
+            "highest_loss": _finite_or_none(self.highest_loss),
+            "highest_grad_norm": _finite_or_none(self.highest_grad_norm),
+            "at_good_state": self.at_good_state,
+            "run_blamed": self._run_blamed,
             "remembered": None if self._remembered is None else {
                 "losses": list(self._remembered[0]), "sign_changes": list(self._remembered[1]),
                 "last_difference": self._remembered[2], "grad_norms": list(self._remembered[3]),
+                "highest_loss": _finite_or_none(self._remembered[4]),
+                "highest_grad_norm": _finite_or_none(self._remembered[5]),
             },
             "config": {
                 "window": self.window,
@@ -749,7 +868,8 @@ class DivergenceMonitor:
         resume); history longer than this monitor's window is truncated to the most recent values. A state
         written before some keys existed (kinds of signal added later, the refusal run, the run of critical
         checks, the tolerated count, the remembered window) loads with zeros and no remembered window for
-        them.
+        them; without the largest accepted loss and gradient norm, the largest of its windows stand for
+        them, and the weights are not taken for the good state's.
         """
         if not isinstance(state, dict):
             raise ValueError(f"state must be a dict from DivergenceMonitor.state_dict(), got {type(state).__name__}")
@@ -771,19 +891,22 @@ class DivergenceMonitor:
         for key, value in runs.items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"state[{key!r}] must be a non-negative integer, got {value!r}")
-        rewound = state.get("rewound", False)
-        if not isinstance(rewound, bool):
-            raise ValueError(f"state['rewound'] must be a bool, got {rewound!r}")
+        flags = {key: state.get(key, False) for key in ("rewound", "at_good_state", "run_blamed")}
+        for key, value in flags.items():
+            if not isinstance(value, bool):
+                raise ValueError(f"state[{key!r}] must be a bool, got {value!r}")
+        highest = _highest(state, "state")
         remembered = state.get("remembered")
         if remembered is not None:
-            if not isinstance(remembered, dict) or \
-                    set(remembered) != {"losses", "sign_changes", "last_difference", "grad_norms"}:
+            window_keys = {"losses", "sign_changes", "last_difference", "grad_norms"}
+            if not isinstance(remembered, dict) or not window_keys <= set(remembered) <= window_keys | set(_HIGHEST):
                 raise ValueError("state['remembered'] must be None or a dict from DivergenceMonitor.state_dict()")
             for key in ("losses", "grad_norms"):
                 if not all(_is_number(v) and math.isfinite(v) for v in remembered[key]):
                     raise ValueError(f"state['remembered'][{key!r}] must be a list of finite numbers")
             remembered = (remembered["losses"], [bool(v) for v in remembered["sign_changes"]],
-                          remembered["last_difference"], remembered["grad_norms"])
+                          remembered["last_difference"], remembered["grad_norms"],
+                          *_highest(remembered, "state['remembered']"))
 
         self.reset_window()
         for value in state["losses"]:
@@ -793,4 +916,5 @@ class DivergenceMonitor:
         self.counts = {kind: int(counts.get(kind, 0)) for kind in REASON_KINDS}
         self.refused_in_a_row, self.critical_in_a_row, self.tolerated = runs.values()
         self._remembered = remembered
-        self.rewound = rewound
+        self.rewound, self.at_good_state, self._run_blamed = flags.values()
+        self.highest_loss, self.highest_grad_norm = highest

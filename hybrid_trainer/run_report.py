@@ -160,7 +160,7 @@ def format_summary(s: dict[str, Any]) -> str:
         f"({s['verifications_accepted']} accepted); predict phases {s['predict_phases']} "
         f"({s['predict_phases_rejected']} rejected)",
         f"divergence rollbacks {s['divergence_rollbacks']}, skipped updates {s['skipped_steps']}, "
-        f"lone outliers tolerated {s['outliers_tolerated']}, good state restored for a stall {s['stall_restores']}",
+        f"alarms taken for the batch's and applied {s['outliers_tolerated']}, good state restored for a stall {s['stall_restores']}",
         "time per phase: " + ", ".join(f"{k} {v:.2f}s" for k, v in s["time_by_phase_s"].items()),
     ]
     if s["dynamics_error_by_horizon"]:

@@ -482,9 +482,12 @@ class StepGuard:
         and backward (:meth:`take_due_snapshot`). The write was ~470 µs of the 1 ms MLP's
         snapshot step on this project's CI host, ~200 ms of the 51M-parameter MLP's
         (``python -m bench.overhead``)."""
-        self.monitor.observe(loss, grad_norm)
+        monitor = self.monitor
+        monitor.observe(loss, grad_norm)
         every = self.config.good_state_every
-        if every and (real_steps % every == 1 or not self.good_state.is_set) and severity is Severity.OK:
+        # Also at the first healthy step after a run of critical steps taken for the batches'.
+        if (severity is Severity.OK and every
+                and (real_steps % every == 1 or not self.good_state.is_set or monitor.blamed_run_ended())):
             if defer_snapshot and self.storage == "file":
                 self.snapshot_due = step
                 return False

@@ -703,3 +703,100 @@ def test_quiet_checks_share_one_report_that_nothing_changes():
     spike = monitor.check(1e6, 0.5)
     assert spike.critical and spike is not QUIET_REPORT
     assert QUIET_REPORT.severity is Severity.OK and QUIET_REPORT.reasons == [] and QUIET_REPORT.kinds == []
+
+
+def _learnt_by_heart(**kwargs) -> DivergenceMonitor:
+    """A run that began high (loss 2.0, norm 3.0) and learnt its data by heart (loss ~0.01, norm
+    ~0.01): a batch it has never seen (loss 1.5, norm 8.0) jumps, scores far above the window and
+    explodes its gradient against it, but lies within the jump rules' bounds around the run's own
+    first steps (loss <= 20, norm <= 30). Its window is remembered as a good state's."""
+    rng = np.random.default_rng(3)
+    monitor = fed_monitor([2.0] * 20 + list(0.01 + rng.normal(0.0, 1e-4, 60)),
+                          [3.0] * 20 + list(0.01 + rng.normal(0.0, 1e-4, 60)), **kwargs)
+    monitor.remember_window()
+    return monitor
+
+
+HARD = (1.5, 8.0)  # a batch the run has not seen: (loss, grad norm)
+QUIET = (0.01, 0.01)
+
+
+def test_a_run_of_critical_steps_that_meets_the_good_state_is_the_batches_until_a_quiet_step():
+    monitor = _learnt_by_heart()
+    assert (monitor.highest_loss, monitor.highest_grad_norm) == (2.0, 3.0)
+    first = monitor.check(*HARD)
+    assert first.critical and set(first.kinds) == {"loss_jump", "loss_z", "grad_explosion"}
+    assert monitor.check(*HARD).critical  # the second in a row: the guard goes back to the good state
+    monitor.rewind_window()
+    assert monitor.at_good_state
+    at_good = monitor.check(*HARD)  # critical at weights judged healthy: the batch's
+    assert at_good.severity is Severity.WARNING and at_good.reasons[-1].startswith("taken for the batches'")
+    assert monitor.tolerated == 1
+    monitor.observe(*HARD)  # the trainer applies it: the weights are no longer the good state's
+    assert not monitor.at_good_state
+    assert not monitor.check(*HARD).critical and monitor.tolerated == 2  # the run goes on
+    monitor.observe(*HARD)
+    # Beyond the jump rules' bounds around the run's largest accepted values: refused even in the run.
+    assert monitor.check(1.5, 31.0).critical and monitor.check(21.0, 8.0).critical
+    assert monitor.check(math.nan, 8.0).critical and monitor.tolerated == 2
+    assert not monitor.blamed_run_ended()  # still in the run
+    assert monitor.check(*QUIET).severity is not Severity.CRITICAL and monitor.critical_in_a_row == 0
+    monitor.observe(*QUIET)
+    assert monitor.blamed_run_ended() and not monitor.blamed_run_ended()  # once a run
+    # The next run does not meet the good state: its second critical step is refused as before.
+    monitor.check(*HARD)
+    assert monitor.check(*HARD).critical
+
+
+def test_a_quiet_step_at_the_good_state_leaves_the_next_run_to_the_weights():
+    """What a learning rate gone wrong looks like: the step from the good state is quiet (its loss
+    is measured before its update); the critical steps after it are the weights'."""
+    monitor = _learnt_by_heart()
+    monitor.rewind_window()
+    assert not monitor.check(*QUIET).critical
+    monitor.observe(*QUIET)
+    assert not monitor.at_good_state
+    monitor.check(*HARD)
+    assert monitor.check(*HARD).critical and monitor.check(*HARD).critical and monitor.tolerated == 0
+
+
+def test_at_the_good_state_too_high_a_step_or_a_switched_off_rule_is_refused():
+    for loss, norm in ((21.0, 8.0), (1.5, 31.0), (math.inf, 8.0)):
+        monitor = _learnt_by_heart()
+        monitor.rewind_window()
+        assert monitor.check(loss, norm).critical and monitor.tolerated == 0
+    strict = _learnt_by_heart(blame_lone_alarms_on_the_batch=False)
+    strict.rewind_window()
+    assert strict.check(*HARD).critical
+
+
+def test_the_largest_accepted_values_go_back_with_the_window_and_survive_a_checkpoint():
+    monitor = _learnt_by_heart()
+    monitor.observe(5.0, 20.0)  # accepted after the good state, then rolled back
+    assert (monitor.highest_loss, monitor.highest_grad_norm) == (5.0, 20.0)
+    monitor.rewind_window()
+    assert (monitor.highest_loss, monitor.highest_grad_norm) == (2.0, 3.0)
+    monitor.check(*HARD)
+    state = json.loads(json.dumps(monitor.state_dict()))
+    restored = DivergenceMonitor()
+    restored.load_state_dict(state)
+    assert (restored.highest_loss, restored.highest_grad_norm, restored.at_good_state) == (2.0, 3.0, True)
+    assert not restored.check(*HARD).critical  # the run met the good state in the saved run too
+    restored.observe(*QUIET)
+    restored.rewind_window()
+    assert (restored.highest_loss, restored.highest_grad_norm) == (2.0, 3.0)  # the remembered ones
+    # A state saved before these keys existed: the largest of its windows stand for them.
+    older = {k: v for k, v in state.items() if k not in ("highest_loss", "highest_grad_norm", "at_good_state",
+                                                          "run_blamed")}
+    older["remembered"] = {k: v for k, v in state["remembered"].items()
+                           if k not in ("highest_loss", "highest_grad_norm")}
+    restored.load_state_dict(older)
+    assert restored.highest_loss == max(state["losses"]) and not restored.at_good_state
+    restored.rewind_window()
+    assert restored.highest_loss == max(state["remembered"]["losses"])
+    for key, bad in (("highest_loss", math.nan), ("highest_grad_norm", "x"), ("at_good_state", 1)):
+        with pytest.raises(ValueError, match=key):
+            restored.load_state_dict(dict(state, **{key: bad}))
+    empty = DivergenceMonitor()
+    empty.load_state_dict(json.loads(json.dumps(DivergenceMonitor().state_dict())))
+    assert empty.highest_loss == -math.inf

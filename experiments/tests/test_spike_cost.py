@@ -42,3 +42,15 @@ def test_each_scenario_changes_what_it_says_in_the_second_stage():
 def test_the_sizes_are_checked():
     with pytest.raises(SystemExit):
         spike_cost.main(["--after", "0"])
+
+
+def test_the_model_is_chosen_and_named_in_the_files_and_the_report(tmp_path):
+    spike_cost.main(["--model", "mlp-1ms", "--seeds", "1", "--before", "8", "--after", "8",
+                     "--scenarios", "new regime", "--out", str(tmp_path)])
+    assert not (tmp_path / "spike_cost.md").exists()
+    text = (tmp_path / "spike_cost_mlp-1ms.md").read_text()
+    assert "CPU, the 1 ms MLP: 8 steps" in text and "--model mlp-1ms" in text
+    result = json.loads((tmp_path / "spike_cost_mlp-1ms.json").read_text())["result"]
+    assert result["model"] == "mlp-1ms" and list(result["scenarios"]) == ["new regime"]
+    with pytest.raises(SystemExit):
+        spike_cost.main(["--model", "mlp-50m"])
