@@ -79,19 +79,23 @@ Runs of hard batches (also ``blame_lone_alarms_on_the_batch``). A run of batches
 (data the model meets after learning the rest by heart: 1.7 against a window of 0.0002 on the 1 ms
 MLP) is critical step after step, so "the next step tells" fails: each run was refused and rolled
 back, and the batches were never learnt while the plain loop learnt them in two passes. The step
-right after a rollback runs at the good state's weights, which were judged healthy: if it is
-critical there, the fault is the batch's. So a run of critical steps that meets the good state's
+right after a rollback runs at the good state's weights. Those are the weights after an update
+judged by the loss before it; the step after the snapshot is the first to see them, and where its
+loss raised nothing critical (:attr:`DivergenceMonitor.good_state_seen_healthy`) a step critical at
+them again is taken for the batch's. So a run of critical steps that meets such a good state's
 weights (:attr:`DivergenceMonitor.at_good_state`) is taken for the batches' from there on: each of
 its steps whose loss and gradient norm lie within the jump rules' bounds around the largest the run
 has accepted (``loss_jump_factor`` x :attr:`~DivergenceMonitor.highest_loss`, ``grad_explosion_factor``
 x :attr:`~DivergenceMonitor.highest_grad_norm`) is a WARNING and its update stands, until a step
 raises nothing critical (the guard then takes a good state, :meth:`DivergenceMonitor.blamed_run_ended`).
-A learning rate gone wrong never starts such a run: the step from the good state has its loss
-measured before its update, and is quiet; weights gone wrong show on the steps after it, which are
-refused and go back as before. A corrupt batch (inputs a thousand times larger) lies far above the
-bounds and is refused even inside a run. What is left: the first critical steps of a run, before
-the rollback whose next step meets the good state, are refused each time the run comes round
-(``python -m experiments.spike_cost --model mlp-1ms``; docs/trainer.md, "What a false alarm costs").
+A learning rate gone wrong shows on the steps after an update, so the step from a good state
+taken before it is quiet and starts no run; one taken while it went on unseen can start one, and
+then the bounds end it (on the 1 ms MLP, two or three more steps of a learning rate 100 times too
+high, until a loss of 369 went back; the run still ended at the clean run's loss). A corrupt batch
+(inputs a thousand times larger) lies far above the bounds and is refused even inside a run. What
+is left: the first critical steps of a run, before the rollback whose next step meets the good
+state, are refused each time the run comes round (``python -m experiments.spike_cost --model
+mlp-1ms``; docs/trainer.md, "What a false alarm costs").
 """
 from __future__ import annotations
 
@@ -341,8 +345,13 @@ class DivergenceMonitor:
         # to be taken for the batch's (_blamed_on_batches).
         self.highest_loss = -math.inf
         self.highest_grad_norm = -math.inf
-        # The weights are the good state's, just restored by a rollback, with no step accepted since.
+        # The weights are the good state's, just restored by a rollback, with no step accepted since,
+        # and the first step judged at them after it was taken raised nothing critical.
         self.at_good_state = False
+        # A good state's weights are those after an update whose step was judged before it: they are
+        # seen first by the next step, which remember_window leaves to judge them (_judge_snapshot).
+        self._snapshot_unjudged = False
+        self.good_state_seen_healthy = False
         # The run of critical checks going on met the good state's weights (_blamed_on_batches).
         self._run_blamed = False
         # (loss ceiling, grad-norm floor, grad-norm ceiling) inside which a step is surely quiet
@@ -423,6 +432,7 @@ class DivergenceMonitor:
         self._remembered = (list(self._losses), list(self._sign_changes), self._last_difference,
                             list(self._grad_norms), self.highest_loss, self.highest_grad_norm)
         self.rewound = False
+        self._snapshot_unjudged, self.good_state_seen_healthy = True, False
 
     def rewind_window(self) -> None:
         """Go back to the history kept by :meth:`remember_window` (after a rollback to the good state it was
@@ -433,9 +443,10 @@ class DivergenceMonitor:
         next steps as well as they judged the steps before the spike. A second spike right after a rollback
         is then refused like the first (with an empty history it was accepted).
 
-        The weights are then the good state's (:attr:`at_good_state`) until a step is accepted."""
+        The weights are then the good state's until a step is accepted (:attr:`at_good_state`,
+        where the step after it was taken saw them healthy)."""
         self.rewound = True
-        self.at_good_state = True
+        self.at_good_state = self._remembered is not None and self.good_state_seen_healthy
         if self._remembered is None:
             self.reset_window()
             return
@@ -519,6 +530,16 @@ class DivergenceMonitor:
         self.refused_in_a_row = 0
         self.critical_in_a_row = 0
         self.at_good_state = False
+        if self._snapshot_unjudged:
+            self._judge_snapshot(True)
+
+    def _judge_snapshot(self, healthy: bool) -> None:
+        """The first step judged after :meth:`remember_window`, at the good state's weights: whether
+        its loss raised nothing critical (:attr:`good_state_seen_healthy`). Its gradient norm is not
+        asked: right after a run of batches the model met late, the batches it knew by heart have
+        gradients ten times the window's (its median is of a model sure of them), at healthy weights."""
+        self._snapshot_unjudged = False
+        self.good_state_seen_healthy = healthy
 
     def check_oscillation_once(self) -> bool:
         """The oscillation test on the accepted losses as they are now, counted as one warning
@@ -549,6 +570,8 @@ class DivergenceMonitor:
             if (-_LARGEST <= loss <= bounds[0] and bounds[1] <= grad_norm <= bounds[2]) or self._quiet(loss, grad_norm):
                 if count:
                     self.critical_in_a_row = 0
+                    if self._snapshot_unjudged:
+                        self._judge_snapshot(True)
                 return QUIET_REPORT
         loss_value = _as_optional_float("loss", loss)
         grad_value = _as_optional_float("grad_norm", grad_norm)
@@ -572,6 +595,8 @@ class DivergenceMonitor:
         if not findings:  # nearly every step: skip building the report from an empty list
             if count:
                 self.critical_in_a_row = 0
+                if self._snapshot_unjudged:
+                    self._judge_snapshot(True)
             return QUIET_REPORT
         severity = max((f[0] for f in findings), default=Severity.OK)
         kinds = [f[1] for f in findings]
@@ -579,6 +604,9 @@ class DivergenceMonitor:
         if count:
             for kind in set(kinds):  # one event per kind per check, even if loss and grad are both NaN
                 self.counts[kind] += 1
+            if self._snapshot_unjudged:
+                self._judge_snapshot(all(kind == "grad_explosion" for level, kind, _ in findings
+                                         if level is Severity.CRITICAL))
             if severity is not Severity.CRITICAL:
                 self.critical_in_a_row = 0
             else:
@@ -612,10 +640,10 @@ class DivergenceMonitor:
         (:attr:`highest_loss`, :attr:`highest_grad_norm`): a loss at most ``loss_jump_factor``
         times the largest, a norm at most ``grad_explosion_factor`` times the largest.
 
-        Why: the good state's weights were judged healthy, so a step that is critical at them is
-        the batch's; weights gone wrong (a learning rate too high) show on the steps after an
-        update, never on the first one from a good state, whose loss is measured before its
-        update. A run of batches unlike the window (a class or a source of data the model meets
+        Why: the good state's weights were seen healthy (:meth:`_judge_snapshot`), so a step that
+        is critical at them is the batch's; weights gone wrong (a learning rate too high) show on
+        the steps after an update, not on the first one from a good state taken before it, whose
+        loss is measured before its update. A run of batches unlike the window (a class or a source of data the model meets
         late, after learning the rest by heart) is critical step after step; refused each time,
         they were never learnt, and each run rolled the weights back. Their losses lie in the
         range of the run's own first steps, their norms near it (a model sure of its answers has
@@ -838,6 +866,8 @@ class DivergenceMonitor:
             "highest_grad_norm": _finite_or_none(self.highest_grad_norm),
             "at_good_state": self.at_good_state,
             "run_blamed": self._run_blamed,
+            "snapshot_unjudged": self._snapshot_unjudged,
+            "good_state_seen_healthy": self.good_state_seen_healthy,
             "remembered": None if self._remembered is None else {
                 "losses": list(self._remembered[0]), "sign_changes": list(self._remembered[1]),
                 "last_difference": self._remembered[2], "grad_norms": list(self._remembered[3]),
@@ -891,7 +921,8 @@ class DivergenceMonitor:
         for key, value in runs.items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"state[{key!r}] must be a non-negative integer, got {value!r}")
-        flags = {key: state.get(key, False) for key in ("rewound", "at_good_state", "run_blamed")}
+        flags = {key: state.get(key, False) for key in ("rewound", "at_good_state", "run_blamed", "snapshot_unjudged",
+                                                         "good_state_seen_healthy")}
         for key, value in flags.items():
             if not isinstance(value, bool):
                 raise ValueError(f"state[{key!r}] must be a bool, got {value!r}")
@@ -916,5 +947,6 @@ class DivergenceMonitor:
         self.counts = {kind: int(counts.get(kind, 0)) for kind in REASON_KINDS}
         self.refused_in_a_row, self.critical_in_a_row, self.tolerated = runs.values()
         self._remembered = remembered
-        self.rewound, self.at_good_state, self._run_blamed = flags.values()
+        (self.rewound, self.at_good_state, self._run_blamed, self._snapshot_unjudged,
+         self.good_state_seen_healthy) = flags.values()
         self.highest_loss, self.highest_grad_norm = highest

@@ -705,20 +705,25 @@ def test_quiet_checks_share_one_report_that_nothing_changes():
     assert QUIET_REPORT.severity is Severity.OK and QUIET_REPORT.reasons == [] and QUIET_REPORT.kinds == []
 
 
-def _learnt_by_heart(**kwargs) -> DivergenceMonitor:
+HARD = (1.5, 8.0)  # a batch the run has not seen: (loss, grad norm)
+QUIET = (0.01, 0.01)
+
+
+def _learnt_by_heart(seen_healthy: bool = True, **kwargs) -> DivergenceMonitor:
     """A run that began high (loss 2.0, norm 3.0) and learnt its data by heart (loss ~0.01, norm
     ~0.01): a batch it has never seen (loss 1.5, norm 8.0) jumps, scores far above the window and
     explodes its gradient against it, but lies within the jump rules' bounds around the run's own
-    first steps (loss <= 20, norm <= 30). Its window is remembered as a good state's."""
+    first steps (loss <= 20, norm <= 30). Its window is remembered as a good state's, and the step
+    after it (at the good state's weights) is quiet (``seen_healthy``) or not."""
     rng = np.random.default_rng(3)
     monitor = fed_monitor([2.0] * 20 + list(0.01 + rng.normal(0.0, 1e-4, 60)),
                           [3.0] * 20 + list(0.01 + rng.normal(0.0, 1e-4, 60)), **kwargs)
     monitor.remember_window()
+    assert not monitor.good_state_seen_healthy
+    if seen_healthy:
+        assert not monitor.check(*QUIET).critical
+        monitor.observe(*QUIET)
     return monitor
-
-
-HARD = (1.5, 8.0)  # a batch the run has not seen: (loss, grad norm)
-QUIET = (0.01, 0.01)
 
 
 def test_a_run_of_critical_steps_that_meets_the_good_state_is_the_batches_until_a_quiet_step():
@@ -746,6 +751,27 @@ def test_a_run_of_critical_steps_that_meets_the_good_state_is_the_batches_until_
     # The next run does not meet the good state: its second critical step is refused as before.
     monitor.check(*HARD)
     assert monitor.check(*HARD).critical
+
+
+def test_a_good_state_whose_next_step_was_critical_is_not_taken_for_healthy():
+    """Its weights are those after an update judged by the loss before it (a learning rate gone
+    wrong can be in them): the step after it is the first to see them."""
+    monitor = _learnt_by_heart(seen_healthy=False)
+    assert monitor.check(*HARD).critical and not monitor.good_state_seen_healthy
+    assert monitor.check(*HARD).critical
+    monitor.rewind_window()
+    assert not monitor.at_good_state and monitor.check(*HARD).critical and monitor.tolerated == 0
+    # A gradient alarm alone does not: the batches a model knew by heart have gradients ten times
+    # the window's right after it learnt others, at healthy weights.
+    knew = _learnt_by_heart(seen_healthy=False)
+    report = knew.check(0.01, 1.0)
+    assert report.critical and report.kinds == ["grad_explosion"] and knew.good_state_seen_healthy
+    # Steps found quiet in a block read see it healthy as well.
+    block = _learnt_by_heart(seen_healthy=False)
+    block.observe_quiet(*QUIET)
+    assert block.good_state_seen_healthy
+    block.remember_window()
+    assert not block.check(*QUIET, count=False).critical and not block.good_state_seen_healthy  # not a step
 
 
 def test_a_quiet_step_at_the_good_state_leaves_the_next_run_to_the_weights():
@@ -781,17 +807,20 @@ def test_the_largest_accepted_values_go_back_with_the_window_and_survive_a_check
     restored = DivergenceMonitor()
     restored.load_state_dict(state)
     assert (restored.highest_loss, restored.highest_grad_norm, restored.at_good_state) == (2.0, 3.0, True)
+    assert restored.good_state_seen_healthy
     assert not restored.check(*HARD).critical  # the run met the good state in the saved run too
     restored.observe(*QUIET)
     restored.rewind_window()
     assert (restored.highest_loss, restored.highest_grad_norm) == (2.0, 3.0)  # the remembered ones
     # A state saved before these keys existed: the largest of its windows stand for them.
     older = {k: v for k, v in state.items() if k not in ("highest_loss", "highest_grad_norm", "at_good_state",
-                                                          "run_blamed")}
+                                                          "run_blamed", "snapshot_unjudged",
+                                                          "good_state_seen_healthy")}
     older["remembered"] = {k: v for k, v in state["remembered"].items()
                            if k not in ("highest_loss", "highest_grad_norm")}
     restored.load_state_dict(older)
     assert restored.highest_loss == max(state["losses"]) and not restored.at_good_state
+    assert not restored.good_state_seen_healthy
     restored.rewind_window()
     assert restored.highest_loss == max(state["remembered"]["losses"])
     for key, bad in (("highest_loss", math.nan), ("highest_grad_norm", "x"), ("at_good_state", 1)):
