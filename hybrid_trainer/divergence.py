@@ -346,7 +346,7 @@ class DivergenceMonitor:
         self.highest_loss = -math.inf
         self.highest_grad_norm = -math.inf
         # The weights are the good state's, just restored by a rollback, with no step accepted since,
-        # and the first step judged at them after it was taken raised nothing critical.
+        # and the first step judged at them after it was taken raised no critical loss alarm.
         self.at_good_state = False
         # A good state's weights are those after an update whose step was judged before it: they are
         # seen first by the next step, which remember_window leaves to judge them (_judge_snapshot).
@@ -620,7 +620,8 @@ class DivergenceMonitor:
                 elif self._blamed_on_batches(loss_value, grad_value, kinds):
                     severity = Severity.WARNING
                     reasons.append("taken for the batches': this run of critical steps met the good state's "
-                                   "weights, and its values are no higher than the run has accepted")
+                                   "weights, and its values lie within the jump rules' bounds around the "
+                                   "largest the run has accepted")
                     self.tolerated += 1
         return DivergenceReport(severity=Severity(severity), reasons=reasons, kinds=kinds)
 
@@ -643,15 +644,17 @@ class DivergenceMonitor:
         Why: the good state's weights were seen healthy (:meth:`_judge_snapshot`), so a step that
         is critical at them is the batch's; weights gone wrong (a learning rate too high) show on
         the steps after an update, not on the first one from a good state taken before it, whose
-        loss is measured before its update. A run of batches unlike the window (a class or a source of data the model meets
-        late, after learning the rest by heart) is critical step after step; refused each time,
-        they were never learnt, and each run rolled the weights back. Their losses lie in the
+        loss is measured before its update. A run of batches unlike the window (a class or a
+        source of data the model meets late, after learning the rest by heart) is critical step
+        after step; refused each time, they were never learnt, and each run rolled the weights
+        back. Their losses lie in the
         range of the run's own first steps, their norms near it (a model sure of its answers has
         larger gradients on what it gets wrong than it had untrained: 11 against 3.3 on the 1 ms
         MLP); a corrupt batch's (inputs scaled up a thousandfold) lie far above both, and stay
         refused. The run ends at the first step that raises nothing critical."""
-        if (not self.blame_lone_alarms_on_the_batch or loss is None or "nan" in kinds
-                or not loss - self.highest_loss <= (self.loss_jump_factor - 1) * abs(self.highest_loss)
+        highest = self.highest_loss  # -inf while nothing was accepted: then no bound holds
+        if (not self.blame_lone_alarms_on_the_batch or loss is None or "nan" in kinds or not math.isfinite(highest)
+                or not loss - highest <= (self.loss_jump_factor - 1) * abs(highest)
                 or (grad_norm is not None and not grad_norm <= self.grad_explosion_factor * self.highest_grad_norm)):
             return False
         if self.at_good_state:
