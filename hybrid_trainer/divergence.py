@@ -78,8 +78,8 @@ was taken before it).
 Runs of hard batches (also ``blame_lone_alarms_on_the_batch``). A run of batches unlike the window
 (data the model meets after learning the rest by heart: 1.7 against a window of 0.0002 on the 1 ms
 MLP) is critical step after step, so "the next step tells" fails: each run was refused and rolled
-back, and the batches were never learnt while the plain loop learnt them in two passes. The step
-right after a rollback runs at the good state's weights. Those are the weights after an update
+back, and the batches were never learnt, where the plain loop took their loss from 1.7 to 0.09 in
+two passes over the data and to 0.003 in four. The step right after a rollback runs at the good state's weights. Those are the weights after an update
 judged by the loss before it; the step after the snapshot is the first to see them, and where its
 loss raised nothing critical (:attr:`DivergenceMonitor.good_state_seen_healthy`) a step critical at
 them again is taken for the batch's. So a run of critical steps that meets such a good state's
