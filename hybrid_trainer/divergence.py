@@ -265,6 +265,10 @@ class DivergenceMonitor:
             state's weights (then the batches', within bounds; module docstring, "Runs of hard
             batches"). False: every critical step is refused and every finite one goes back (the
             rule before). Module docstring, "Lone alarms".
+        blame_runs_at_the_good_state: with ``blame_lone_alarms_on_the_batch``, a run of critical
+            steps that meets the weights of a good state seen healthy, right after a rollback, is
+            taken for the batches' (module docstring, "Runs of hard batches"). False: such a run
+            is refused and goes back at each step, as before the rule.
     """
 
     def __init__(
@@ -282,6 +286,7 @@ class DivergenceMonitor:
         grad_jump_factor: float = 100.0,
         max_refused_in_a_row: int = 20,
         blame_lone_alarms_on_the_batch: bool = True,
+        blame_runs_at_the_good_state: bool = True,
     ):
         self.window = _require_int("window", window, 2, ">= 2")
         self.loss_z_warning = _require_float("loss_z_warning", loss_z_warning, lambda v: v > 0, "> 0")
@@ -311,6 +316,9 @@ class DivergenceMonitor:
         if not isinstance(blame_lone_alarms_on_the_batch, bool):
             raise ValueError(f"blame_lone_alarms_on_the_batch must be a bool, got {blame_lone_alarms_on_the_batch!r}")
         self.blame_lone_alarms_on_the_batch = blame_lone_alarms_on_the_batch
+        if not isinstance(blame_runs_at_the_good_state, bool):
+            raise ValueError(f"blame_runs_at_the_good_state must be a bool, got {blame_runs_at_the_good_state!r}")
+        self.blame_runs_at_the_good_state = blame_runs_at_the_good_state
 
         # The oscillation test needs oscillation_window + 1 losses, which may exceed the z-score window.
         self._loss_capacity = max(self.window, self.oscillation_window + 1)
@@ -653,7 +661,7 @@ class DivergenceMonitor:
         MLP); a corrupt batch's (inputs scaled up a thousandfold) lie far above both, and stay
         refused. The run ends at the first step that raises nothing critical."""
         highest = self.highest_loss  # -inf while nothing was accepted: then no bound holds
-        if (not self.blame_lone_alarms_on_the_batch or loss is None or "nan" in kinds or not math.isfinite(highest)
+        if (not (self.blame_lone_alarms_on_the_batch and self.blame_runs_at_the_good_state) or loss is None or "nan" in kinds or not math.isfinite(highest)
                 or not loss - highest <= (self.loss_jump_factor - 1) * abs(highest)
                 or (grad_norm is not None and not grad_norm <= self.grad_explosion_factor * self.highest_grad_norm)):
             return False
@@ -891,6 +899,7 @@ class DivergenceMonitor:
                 "grad_jump_factor": self.grad_jump_factor,
                 "max_refused_in_a_row": self.max_refused_in_a_row,
                 "blame_lone_alarms_on_the_batch": self.blame_lone_alarms_on_the_batch,
+                "blame_runs_at_the_good_state": self.blame_runs_at_the_good_state,
             },
         }
 

@@ -791,9 +791,12 @@ def test_at_the_good_state_too_high_a_step_or_a_switched_off_rule_is_refused():
         monitor = _learnt_by_heart()
         monitor.rewind_window()
         assert monitor.check(loss, norm).critical and monitor.tolerated == 0
-    strict = _learnt_by_heart(blame_lone_alarms_on_the_batch=False)
-    strict.rewind_window()
-    assert strict.check(*HARD).critical
+    for switched_off in (dict(blame_lone_alarms_on_the_batch=False), dict(blame_runs_at_the_good_state=False)):
+        strict = _learnt_by_heart(**switched_off)
+        strict.rewind_window()
+        assert strict.check(*HARD).critical and strict.tolerated == 0
+    with pytest.raises(ValueError, match="blame_runs_at_the_good_state"):
+        DivergenceMonitor(blame_runs_at_the_good_state="yes")
 
 
 def test_the_largest_accepted_values_go_back_with_the_window_and_survive_a_checkpoint():
