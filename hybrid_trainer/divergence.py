@@ -376,19 +376,18 @@ class DivergenceMonitor:
         # range such steps must lie in (_blamed_on_batches): runs cannot raise it run after run.
         quiet = self.critical_in_a_row == 0
         if loss_value is not None and -math.inf < loss_value < math.inf:  # NaN fails both
-            self._record_loss(loss_value)
-            if quiet and loss_value > self.highest_loss:
-                self.highest_loss = loss_value
+            self._record_loss(loss_value, quiet)
         if grad_value is not None and -math.inf < grad_value < math.inf:
-            self._record_grad_norm(grad_value)
-            if quiet and grad_value > self.highest_grad_norm:
-                self.highest_grad_norm = grad_value
+            self._record_grad_norm(grad_value, quiet)
         self.refused_in_a_row = 0
         self.at_good_state = False
         self._bounds = self._quiet_bounds()  # here, where the window was just read: the next check only compares
 
-    def _record_loss(self, loss: float) -> None:
+    def _record_loss(self, loss: float, raise_highest: bool) -> None:
+        """Append an accepted loss to the window (``raise_highest``: and to :attr:`highest_loss`)."""
         self._bounds = None
+        if raise_highest and loss > self.highest_loss:
+            self.highest_loss = loss
         losses = self._losses
         if losses:
             difference = loss - losses[-1]
@@ -406,8 +405,12 @@ class DivergenceMonitor:
         insort(self._losses_sorted, loss)
         losses.append(loss)
 
-    def _record_grad_norm(self, grad_norm: float) -> None:
+    def _record_grad_norm(self, grad_norm: float, raise_highest: bool) -> None:
+        """Append an accepted gradient norm to the window (``raise_highest``: and to
+        :attr:`highest_grad_norm`)."""
         self._bounds = None
+        if raise_highest and grad_norm > self.highest_grad_norm:
+            self.highest_grad_norm = grad_norm
         norms = self._grad_norms
         if len(norms) == self.window:  # the deque drops its oldest on append
             ordered = self._grad_norms_sorted
@@ -528,13 +531,9 @@ class DivergenceMonitor:
 
     def observe_quiet(self, loss: float, grad_norm: float | None) -> None:
         """:meth:`observe` for values already found finite and inside :meth:`quiet_limits`."""
-        self._record_loss(loss)
-        if loss > self.highest_loss:
-            self.highest_loss = loss
+        self._record_loss(loss, True)
         if grad_norm is not None:
-            self._record_grad_norm(grad_norm)
-            if grad_norm > self.highest_grad_norm:
-                self.highest_grad_norm = grad_norm
+            self._record_grad_norm(grad_norm, True)
         self.refused_in_a_row = 0
         self.critical_in_a_row = 0
         self.at_good_state = False
@@ -953,7 +952,7 @@ class DivergenceMonitor:
 
         self.reset_window()
         for value in state["losses"]:
-            self._record_loss(float(value))
+            self._record_loss(float(value), False)  # the saved largest values are set below
         self._grad_norms = deque((float(v) for v in state["grad_norms"]), maxlen=self.window)
         self._resort()
         self.counts = {kind: int(counts.get(kind, 0)) for kind in REASON_KINDS}
