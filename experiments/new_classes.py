@@ -33,7 +33,6 @@ import argparse
 import contextlib
 import logging
 import shlex
-import statistics
 import sys
 from pathlib import Path
 from typing import Any, Iterator
@@ -141,12 +140,11 @@ def report(result: dict[str, Any], meta: dict[str, Any]) -> str:
              "| arm | steps refused | rollbacks | alarms taken for the batch's | stopped by the guard | "
              "new classes: loss | accuracy | old classes: loss | accuracy |",
              "|---|---|---|---|---|---|---|---|---|"]
+    from experiments.spike_cost import median_cell
+
     for arm, runs in result["arms"].items():
         def cell(key: str, fmt: str = "{:.0f}") -> str:
-            values = [r.get(key) for r in runs]
-            if any(v is None for v in values):
-                return "–"
-            return f"{fmt.format(statistics.median(values))} [{', '.join(fmt.format(v) for v in values)}]"
+            return median_cell(runs, key, fmt)
         said = ", ".join("no" if r["stalled_at"] is None else f"at step {r['stalled_at']}" for r in runs)
         lines.append(f"| {arm} | {cell('refused')} | {cell('rollbacks')} | {cell('tolerated')} | {said} | "
                      f"{cell('new_loss', '{:.3f}')} | {cell('new_accuracy', '{:.3f}')} | {cell('old_loss', '{:.3f}')} | "

@@ -143,6 +143,15 @@ def _run(scenario: str, arm: str, seed: int, before: int, after: int, model_name
     return out
 
 
+def median_cell(runs: list[dict[str, Any]], key: str, fmt: str = "{:.0f}") -> str:
+    """A table cell: the median over seeds of ``key`` and each seed's value in brackets; "–" where
+    a run has none (the plain loop's refusals)."""
+    values = [r.get(key) for r in runs]
+    if any(v is None for v in values):
+        return "–"
+    return f"{fmt.format(statistics.median(values))} [{', '.join(fmt.format(v) for v in values)}]"
+
+
 def report(result: dict[str, Any], meta: dict[str, Any]) -> str:
     model = {"tiny": "the tiny MLP", "mlp-1ms": "the 1 ms MLP"}[result.get("model", "tiny")]
     lines = [f"What the divergence guard costs and saves (CPU, {model}: {result['before']} steps, then "
@@ -157,10 +166,7 @@ def report(result: dict[str, Any], meta: dict[str, Any]) -> str:
                   "|---|---|---|---|---|---|"]
         for arm, runs in arms.items():
             def cell(key: str, fmt: str = "{:.0f}") -> str:
-                values = [r.get(key) for r in runs]
-                if any(v is None for v in values):
-                    return "–"
-                return f"{fmt.format(statistics.median(values))} [{', '.join(fmt.format(v) for v in values)}]"
+                return median_cell(runs, key, fmt)
             stopped = [r["stalled_at"] for r in runs]
             said = ", ".join("no" if s is None else f"at step {s}" for s in stopped)
             lines.append(f"| {arm} | {cell('refused')} | {cell('rollbacks')} | {cell('tolerated')} | {said} | "
