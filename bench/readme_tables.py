@@ -96,13 +96,43 @@ def _vs_plain(arms_by_model, arm: str, key: str, fmt: str) -> str:
     return " / ".join(format(arms[arm]["vs_plain"][key], fmt) for arms in arms_by_model)
 
 
-def _overhead_rows() -> list[tuple[str, str, str]]:
-    """The trainer against the plain AdamW loop in isolation (``bench.overhead``)."""
-    path = RESULTS / "overhead.json"
-    if not path.exists():
-        return [("The trainer's per-step overhead in isolation; its memory overhead", NOT_MEASURED, "–")]
+OVERHEAD_SECTION = "#what-the-trainer-costs-next-to-a-plain-loop"  # README's section with the overhead table
+
+
+def _overhead_models() -> tuple[dict, dict[str, dict]] | None:
+    """``bench.overhead``'s merged results and its models' entries, in :data:`OVERHEAD_MODELS`'
+    order; None where it has not run."""
+    if not (RESULTS / "overhead.json").exists():
+        return None
     data = _load("overhead.json")
-    models = {m: data["models"][m]["arms"] for m in OVERHEAD_MODELS if m in data["models"]}
+    return data, {m: data["models"][m] for m in OVERHEAD_MODELS if m in data["models"]}
+
+
+def _commands(runs) -> str:
+    """Each run's command once, in order, as code (a file merged from several runs)."""
+    return " ".join(f"`{c}`" for c in dict.fromkeys(r["command"] for r in runs))
+
+
+def _time_runs(entry: dict, data: dict) -> list[dict]:
+    """The runs whose timings a model's entry holds: the run that timed it last, and the runs
+    that timed the arms it kept from earlier runs (``--arms``; each arm's ``time_run``)."""
+    return ([entry.get("time_run") or entry.get("run") or data]
+            + [a["time"]["time_run"] for a in entry["arms"].values() if "time_run" in a.get("time", {})])
+
+
+def _memory_run(entry: dict, data: dict) -> dict:
+    return entry.get("memory_run") or entry.get("run") or data
+
+
+def _overhead_rows() -> list[tuple[str, str, str]]:
+    """The trainer against the plain AdamW loop in isolation (``bench.overhead``): the status
+    table's rows, each model's headline figure and verdict; every other figure, model by model
+    with its runs' commands, is in :func:`overhead`."""
+    loaded = _overhead_models()
+    if loaded is None:
+        return [("The trainer's per-step overhead in isolation; its memory overhead", NOT_MEASURED, "–")]
+    data, entries = loaded
+    models = {m: e["arms"] for m, e in entries.items()}
     names = " / ".join(OVERHEAD_MODELS[m] for m in models)
 
     def vs(arm: str, key: str, fmt: str) -> str:
@@ -128,89 +158,11 @@ def _overhead_rows() -> list[tuple[str, str, str]]:
     def verdicts() -> str:  # on each model's 95% interval where the run has one (bench.overhead.time_goal)
         from bench.overhead import time_goal
 
-        goals = [time_goal(a) for a in (data["models"][m] for m in models)]
+        goals = [time_goal(e) for e in entries.values()]
         return "here: " + " / ".join("–" if g is None else g["verdict"].split(" (")[0] for g in goals)
 
-    def pooled() -> str:  # models timed in several fresh processes (bench.overhead --runs): their count
-        runs = {m: n for m, a in models.items()
-                if (n := (a.get("predict=False") or {}).get("vs_plain", {}).get("overhead_runs"))}
-        if not runs:
-            return ""
-        counts = set(runs.values())
-        count = f"{counts.pop()}" if len(counts) == 1 else " / ".join(map(str, runs.values()))
-        return (f"; {' / '.join(OVERHEAD_MODELS[m] for m in runs)}: the median of {count} runs, each in a fresh "
-                f"process, the interval over them")
-
-    def lean_calls() -> str:  # what the trainer saves on the two calls it makes leaner, and its cost beyond
-        from bench.overhead import over_lean_calls
-
-        timed = {m: lean for m, a in models.items() if (lean := over_lean_calls(a)) is not None}
-        if not timed:
-            return ""
-        return (f"; the plain loop making its two calls as the trainer does (gradients set to None, the update "
-                f"without torch's profiler scope) {' / '.join(format(saved, '+.0f') for saved, _ in timed.values())} µs, "
-                f"and `predict=False` over that loop "
-                f"{' / '.join('–' if b is None else format(b['median_us'], '+.0f') for _, b in timed.values())} µs "
-                f"({' / '.join(OVERHEAD_MODELS[m] for m in timed)})")
-
-    def noise() -> str:  # a second plain loop, the protocol's own error, where a run timed one
-        from bench.overhead import noise_floor
-
-        timed = {m: (n, data["models"][m]["arms"]["plain"]["time"]["chunk_median_us"])
-                 for m in models if (n := noise_floor(data["models"][m])) is not None}
-        if not timed:
-            return ""
-        return ("; two identical plain loops (the protocol's own error) "
-                + " / ".join(f"{100 * n['median_us'] / step:+.1f}%" + ("" if n["ci95_us"] is None else
-                             " [{:+.1f}, {:+.1f}]".format(*(100 * v / step for v in n["ci95_us"])))
-                             for n, step in timed.values()) + f" apart ({' / '.join(OVERHEAD_MODELS[m] for m in timed)})")
-
-    def commands(runs) -> str:  # a file merged from several runs: each run's command, in model order
-        return " ".join(f"`{c}`" for c in dict.fromkeys(r["command"] for r in runs))
-
-    def hosts() -> str:  # each run's host speed (bench.overhead records it), where the models' runs differ
-        runs = {m: data["models"][m].get("time_run") or data["models"][m].get("run") or {} for m in models}
-        groups: dict[str, list[str]] = {}
-        for m, run in runs.items():
-            machine, after = run.get("machine"), run.get("machine_after_time")
-            said = ("not recorded" if not machine else
-                    f"{machine['python_ns']:.0f} ns, {machine['read_gb_s']:.1f} GB/s"
-                    + ("" if not after else
-                       f" (after the timing {after['python_ns']:.0f} ns, {after['read_gb_s']:.1f} GB/s)"))
-            groups.setdefault(said, []).append(OVERHEAD_MODELS[m])
-        if len(groups) < 2:
-            return ""
-        return ("; the host's speed when each was timed (a Python loop step, one thread's memory read): "
-                + "; ".join(f"{said} ({' / '.join(names)})" for said, names in groups.items()))
-
-    def parted() -> dict[str, dict]:
-        """The models whose breakdown timed the plain loop in turn (``own_over_plain_us``)."""
-        return {m: data["models"][m]["breakdown"] for m in models
-                if (data["models"][m].get("breakdown") or {}).get("own_over_plain_us") is not None}
-
-    def own_parts() -> str:
-        """The trainer's own time over the plain loop's outside forward, backward and optimizer,
-        part by part (``bench.overhead``'s breakdown), where the whole-step pairs leave a verdict open."""
-        b = parted()
-        if not b:
-            return ""
-        return ("; its own time over the plain loop's outside forward, backward and optimizer, part by part "
-                "(what it saves inside them not counted) "
-                + " / ".join(f"{e['own_over_plain_us']:+.0f} µs ({100 * e['own_over_plain_us'] / e['plain_step_us']:+.1f}%)"
-                             for e in b.values()) + f" ({' / '.join(OVERHEAD_MODELS[m] for m in b)})")
-
-    def own_parts_cmd() -> str:
-        runs = [e["run"] for e in parted().values() if e.get("run")]
-        return "" if not runs else " " + commands(runs)
-
-    entries = [data["models"][m] for m in models]
-    # A model timed with --arms keeps its other arms' times (each with the run that timed it,
-    # ``time_run``) and its memory figures and exploration (``memory_run``) from earlier runs.
-    time_cmd = commands(run for e in entries for run in
-                        [e.get("time_run") or e.get("run") or data]
-                        + [a["time"]["time_run"] for a in e["arms"].values() if "time_run" in a.get("time", {})])
-    cmd = commands(e.get("memory_run") or e.get("run") or data for e in entries)
-    explored = {m: data["models"][m]["exploration"] for m in models if data["models"][m].get("exploration")}
+    cmd = _commands(_memory_run(e, data) for e in entries.values())
+    explored = {m: e["exploration"] for m, e in entries.items() if e.get("exploration")}
     exploration_rows = [] if not explored else [
         (f"The default config while it finds out whether prediction pays, from the first step until the gate "
          f"switches prediction off ({' / '.join(OVERHEAD_MODELS[m] for m in explored)})",
@@ -223,22 +175,108 @@ def _overhead_rows() -> list[tuple[str, str, str]]:
     rows = [
         (f"The trainer's cost per step next to the plain loop, prediction off ({names})",
          f"{vs('predict=False', 'overhead_us', '+.0f')} µs, i.e. {vs('predict=False', 'time_ratio', '.3f')}× "
-         f"(goal: ≤ 50 µs, ≤ 1.02× on steps of 5 ms or more; {verdicts()}{pooled()})"
-         + (f"; reading the guard's values every 16 steps (`read_every=16`, a GPU's default) "
-            f"{vs('predict=False, read_every=16', 'overhead_us', '+.0f')} µs"
-            if all("overhead_us" in (a.get("predict=False, read_every=16") or {}).get("vs_plain", {})
-                   for a in models.values()) else "")  # timed (a --memory-only run keeps older time figures)
-         + (f"; the floor of any per-step NaN guard (the plain loop + the gradient norm and its read) "
-            f"{' / '.join(format(a[FLOOR]['vs_plain']['overhead_us'], '+.0f') for a in models.values() if FLOOR in a)} µs "
-            f"({' / '.join(OVERHEAD_MODELS[m] for m, a in models.items() if FLOOR in a)})"
-            if any(FLOOR in a for a in models.values()) else "")
-         + noise() + own_parts() + lean_calls() + hosts(), time_cmd + own_parts_cmd()),
+         f"(goal: ≤ 50 µs, ≤ 1.02× on steps of 5 ms or more; {verdicts()}); each model's interval, "
+         f"the floor of any NaN guard, the protocol's own error and every run: [below]({OVERHEAD_SECTION})",
+         f"`python -m bench.overhead` (each run's options: [below]({OVERHEAD_SECTION}))"),
         (f"Peak training memory next to the plain loop ({' / '.join(OVERHEAD_MODELS[m] for m in sized)})",
          f"`predict=False` {memory('predict=False')}; default config {memory('default')} (goals 1.03× and 1.10×; "
          f"T: exact peak of live tensor bytes, where peak RSS moves more between runs than 3% of the plain "
          f"loop's; R: peak RSS){fixed_bytes()}", cmd),
     ]
     return rows[:1] + exploration_rows + rows[1:]
+
+
+def overhead() -> str:
+    """The trainer's cost per step next to the plain loop with prediction off, model by model
+    (``bench.overhead``): the figure, its interval and verdict, what it was timed over, and the
+    figures that place it (the reads every 16 steps, the floor of any per-step NaN guard, two
+    identical plain loops, the trainer's own time part by part, the plain loop's two calls made
+    as the trainer makes them, the host's speed), then each model's runs' commands."""
+    loaded = _overhead_models()
+    if loaded is None:
+        return NOT_MEASURED
+    data, entries = loaded
+    from bench.overhead import noise_floor, over_lean_calls, time_goal
+
+    def us(value: float | None) -> str:
+        return "–" if value is None else f"{value:+.0f} µs"
+
+    def plain_step(e: dict) -> str:
+        step = e["arms"]["plain"]["time"]["chunk_median_us"]
+        return f"{step:,.0f} µs"
+
+    def trainer(e: dict) -> str:
+        c = e["arms"]["predict=False"]["vs_plain"]
+        interval = c.get("overhead_ci95_us")
+        return (us(c["overhead_us"]) + ("" if interval is None else " [{:+.0f}, {:+.0f}]".format(*interval))
+                + f", {c['time_ratio']:.3f}×")
+
+    def verdict(e: dict) -> str:
+        goal = time_goal(e)
+        return "–" if goal is None else f"{goal['goal']}: {goal['verdict'].split(' (')[0]}"
+
+    def timed_over(e: dict) -> str:
+        runs = e["arms"]["predict=False"]["vs_plain"].get("overhead_runs")
+        return f"the median of {runs} fresh processes" if runs else "one process"
+
+    def arm(name: str) -> Callable[[dict], str]:
+        return lambda e: us(((e["arms"].get(name) or {}).get("vs_plain") or {}).get("overhead_us"))
+
+    def noise(e: dict) -> str:
+        n = noise_floor(e)
+        if n is None:
+            return "–"
+        step = e["arms"]["plain"]["time"]["chunk_median_us"]
+        return f"{100 * n['median_us'] / step:+.1f}%" + ("" if n["ci95_us"] is None else
+                                                       " [{:+.1f}, {:+.1f}]".format(*(100 * v / step for v in n["ci95_us"])))
+
+    def own_parts(e: dict) -> str:
+        b = e.get("breakdown") or {}
+        if b.get("own_over_plain_us") is None:
+            return "–"
+        return f"{b['own_over_plain_us']:+.0f} µs ({100 * b['own_over_plain_us'] / b['plain_step_us']:+.1f}%)"
+
+    def lean(saved: bool) -> Callable[[dict], str]:
+        def cell(e: dict) -> str:
+            timed = over_lean_calls(e["arms"])
+            if timed is None:
+                return "–"
+            return us(timed[0]) if saved else us(None if timed[1] is None else timed[1]["median_us"])
+        return cell
+
+    def host(e: dict) -> str:
+        run = e.get("time_run") or e.get("run") or {}
+        machine, after = run.get("machine"), run.get("machine_after_time")
+        if not machine:
+            return "not recorded"
+        return (f"{machine['python_ns']:.0f} ns, {machine['read_gb_s']:.1f} GB/s"
+                + ("" if not after else f" (after the timing {after['python_ns']:.0f} ns, {after['read_gb_s']:.1f} GB/s)"))
+
+    rows: list[tuple[str, Callable[[dict], str]]] = [
+        ("the plain loop's step", plain_step),
+        ("`predict=False` over it [95% interval]", trainer),
+        ("goal: verdict", verdict),
+        ("timed over", timed_over),
+        ("reading the guard's values every 16 steps (`read_every=16`, a GPU's default)", arm("predict=False, read_every=16")),
+        ("the floor of any per-step NaN guard (the plain loop + the gradient norm and its read)", arm(FLOOR)),
+        ("two identical plain loops (the protocol's own error) [95% interval]", noise),
+        ("the trainer's own time over the plain loop's outside forward, backward and optimizer, part by part "
+         "(what it saves inside them not counted)", own_parts),
+        ("the plain loop making its two calls as the trainer does (gradients set to None, the update "
+         "without torch's profiler scope)", lean(True)),
+        ("`predict=False` over that loop", lean(False)),
+        ("the host's speed when timed (a Python loop step, one thread's memory read)", host),
+    ]
+    lines = ["| prediction off | " + " | ".join(OVERHEAD_MODELS[m] for m in entries) + " |",
+             "|---" * (len(entries) + 1) + "|"]
+    lines += [f"| {label} | " + " | ".join(cell(e) for e in entries.values()) + " |" for label, cell in rows]
+    lines.append("")
+    lines.append("Each model's runs (time, then the breakdown and memory where another run measured them):")
+    lines.append("")
+    for m, e in entries.items():
+        runs = _time_runs(e, data) + [r for r in [(e.get("breakdown") or {}).get("run"), _memory_run(e, data)] if r]
+        lines.append(f"* {OVERHEAD_MODELS[m]}: {_commands(runs)}")
+    return "\n".join(lines)
 
 
 def _gpu_overhead_rows() -> list[tuple[str, str, str]]:
@@ -429,7 +467,7 @@ def e2e() -> str:
     return "\n".join(lines)
 
 
-TABLES: dict[str, Callable[[], str]] = {"status": status, "e2e": e2e}
+TABLES: dict[str, Callable[[], str]] = {"status": status, "e2e": e2e, "overhead": overhead}
 
 
 def render(text: str) -> str:

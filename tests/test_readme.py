@@ -35,7 +35,7 @@ def test_quick_start_runs(tmp_path):
 
 def test_readme_tables_match_the_result_json():
     text = (ROOT / "README.md").read_text()
-    assert {"status", "e2e"} <= {m.group("name") for m in readme_tables.MARKER.finditer(text)}
+    assert {"status", "e2e", "overhead"} <= {m.group("name") for m in readme_tables.MARKER.finditer(text)}
     assert readme_tables.render(text) == text, "README tables are stale: run python -m bench.readme_tables"
 
 
@@ -72,7 +72,7 @@ def test_no_references_outside_the_repository_or_to_issue_numbers():
     assert not hits, "\n".join(hits)
 
 
-def test_the_overhead_row_says_which_host_timed_which_model_when_hosts_differ(tmp_path, monkeypatch):
+def test_the_overhead_table_says_which_host_timed_each_model(tmp_path, monkeypatch):
     from bench import readme_tables
 
     data = json.loads((readme_tables.RESULTS / "overhead.json").read_text())
@@ -83,23 +83,22 @@ def test_the_overhead_row_says_which_host_timed_which_model_when_hosts_differ(tm
     slow = dict(cpu="AMD EPYC", cores=2, python_ns=39.5, read_gb_s=11.8)
     (tmp_path / "overhead.json").write_text(json.dumps(data))
     monkeypatch.setattr(readme_tables, "RESULTS", tmp_path)
-    assert "the host's speed" not in readme_tables._overhead_rows()[0][1]  # no run recorded its host: nothing to tell apart
+    host_row = "| the host's speed when timed (a Python loop step, one thread's memory read) | "
+    assert host_row + "not recorded | not recorded | " in readme_tables.overhead()  # no run recorded its host
     data["models"]["tiny"]["run"]["machine"] = slow
     (tmp_path / "overhead.json").write_text(json.dumps(data))
-    said = readme_tables._overhead_rows()[0][1]
-    assert ("the host's speed when each was timed (a Python loop step, one thread's memory read): "
-            "40 ns, 11.8 GB/s (tiny MLP (fixed cost)); not recorded (1 ms MLP / ") in said
+    assert host_row + "40 ns, 11.8 GB/s | not recorded | " in readme_tables.overhead()
     # A run that measured the host again after its timing: both said, so a drift during it shows.
     data["models"]["tiny"]["run"]["machine_after_time"] = dict(slow, python_ns=64.2, read_gb_s=8.0)
     (tmp_path / "overhead.json").write_text(json.dumps(data))
-    said = readme_tables._overhead_rows()[0][1]
-    assert "40 ns, 11.8 GB/s (after the timing 64 ns, 8.0 GB/s) (tiny MLP (fixed cost))" in said
+    assert host_row + "40 ns, 11.8 GB/s (after the timing 64 ns, 8.0 GB/s) | not recorded | " in readme_tables.overhead()
 
 
 def test_the_overhead_rows_name_every_run_their_figures_came_from_and_sign_each_figure(tmp_path, monkeypatch):
     """A model timed with ``--arms`` keeps its other arms' times and its memory figures from
-    earlier runs: the time row names the runs that timed the kept arms, the memory and
-    exploration rows the run that measured memory; every figure in µs carries its own sign."""
+    earlier runs: the overhead table's list of runs names the runs that timed the kept arms and
+    the one that measured memory, the memory and exploration rows the run that measured memory;
+    every figure in µs carries its own sign."""
     from bench import readme_tables
 
     data = json.loads((readme_tables.RESULTS / "overhead.json").read_text())
@@ -111,15 +110,21 @@ def test_the_overhead_rows_name_every_run_their_figures_came_from_and_sign_each_
     monkeypatch.setattr(readme_tables, "RESULTS", tmp_path)
     rows = {what.split(" (")[0]: (figure, command) for what, figure, command in readme_tables._overhead_rows()}
     time_figure, time_command = rows["The trainer's cost per step next to the plain loop, prediction off"]
-    assert "--kept-arm-run" in time_command and "--memory-run" not in time_command
+    assert time_command.startswith("`python -m bench.overhead`") and readme_tables.OVERHEAD_SECTION in time_command
     assert "--memory-run" in rows["Peak training memory next to the plain loop"][1]
     exploration = [c for what, (_, c) in rows.items() if what.startswith("The default config while")]
     assert exploration and "--memory-run" in exploration[0]
-    assert "+-" not in time_figure and " / -12 / " in time_figure
+    assert "+-" not in time_figure
+    table = readme_tables.overhead()
+    fashion_runs = next(line for line in table.splitlines() if line.startswith("* Fashion-MNIST: "))
+    assert "--kept-arm-run" in fashion_runs and "--memory-run" in fashion_runs
+    assert "--kept-arm-run" not in table.replace(fashion_runs, "")
+    every_16 = next(line for line in table.splitlines() if line.startswith("| reading the guard's values every 16"))
+    assert "+-" not in table and " | -12 µs | " in every_16
 
 
-def test_the_overhead_row_gives_the_noise_floor_of_a_model_that_timed_a_second_plain_loop(tmp_path, monkeypatch):
-    """A second plain loop (``bench.overhead.PLAIN_AGAIN``) is the protocol's own error: the row
+def test_the_overhead_table_gives_the_noise_floor_of_a_model_that_timed_a_second_plain_loop(tmp_path, monkeypatch):
+    """A second plain loop (``bench.overhead.PLAIN_AGAIN``) is the protocol's own error: the table
     gives its paired difference beside the verdicts, which take it off where it is not zero."""
     from bench import overhead, readme_tables
 
@@ -128,7 +133,8 @@ def test_the_overhead_row_gives_the_noise_floor_of_a_model_that_timed_a_second_p
         model["arms"].pop(overhead.PLAIN_AGAIN, None)
     (tmp_path / "overhead.json").write_text(json.dumps(data))
     monkeypatch.setattr(readme_tables, "RESULTS", tmp_path)
-    assert "two identical plain loops" not in readme_tables._overhead_rows()[0][1]
+    noise_row = "| two identical plain loops (the protocol's own error) [95% interval] | "
+    assert noise_row + "– | – | – | – | – |" in readme_tables.overhead()
     tiny = data["models"]["tiny"]["arms"]
     plain_means = tiny["plain"]["time"]["chunk_means_us"]
     step = tiny["plain"]["time"]["chunk_median_us"]
@@ -143,12 +149,12 @@ def test_the_overhead_row_gives_the_noise_floor_of_a_model_that_timed_a_second_p
     assert plain_means
     tiny[overhead.PLAIN_AGAIN] = {"time": faster(tiny["plain"]["time"])}
     (tmp_path / "overhead.json").write_text(json.dumps(data))
-    figure = readme_tables._overhead_rows()[0][1]
-    assert "two identical plain loops (the protocol's own error) -10.0% [-10.0, -10.0] apart (tiny MLP (fixed cost))" in figure
-    assert "here: NOT met / " in figure  # the tiny MLP's verdict, first of the models
+    assert noise_row + "-10.0% [-10.0, -10.0] | – | " in readme_tables.overhead()
+    assert "here: NOT met / " in readme_tables._overhead_rows()[0][1]  # the tiny MLP's verdict, first of the models
+    assert "| goal: verdict | ≤ 50 µs: NOT met | " in readme_tables.overhead()
 
 
-def test_the_overhead_row_says_over_how_many_fresh_processes_a_figure_was_pooled(tmp_path, monkeypatch):
+def test_the_overhead_table_says_over_how_many_fresh_processes_a_figure_was_pooled(tmp_path, monkeypatch):
     from bench import readme_tables
 
     data = json.loads((readme_tables.RESULTS / "overhead.json").read_text())
@@ -156,12 +162,10 @@ def test_the_overhead_row_says_over_how_many_fresh_processes_a_figure_was_pooled
         model["arms"]["predict=False"]["vs_plain"].pop("overhead_runs", None)
     (tmp_path / "overhead.json").write_text(json.dumps(data))
     monkeypatch.setattr(readme_tables, "RESULTS", tmp_path)
-    assert "fresh process" not in readme_tables._overhead_rows()[0][1]
+    timed_row = "| timed over | "
+    assert timed_row + "one process | one process | one process | one process | one process |" in readme_tables.overhead()
     data["models"]["tiny"]["arms"]["predict=False"]["vs_plain"]["overhead_runs"] = 9
-    data["models"]["mlp-1ms"]["arms"]["predict=False"]["vs_plain"]["overhead_runs"] = 9
-    (tmp_path / "overhead.json").write_text(json.dumps(data))
-    assert ("; tiny MLP (fixed cost) / 1 ms MLP: the median of 9 runs, each in a fresh process, the interval "
-            "over them)") in readme_tables._overhead_rows()[0][1]
     data["models"]["mlp-1ms"]["arms"]["predict=False"]["vs_plain"]["overhead_runs"] = 6
     (tmp_path / "overhead.json").write_text(json.dumps(data))
-    assert "the median of 9 / 6 runs, each in a fresh process" in readme_tables._overhead_rows()[0][1]
+    assert (timed_row + "the median of 9 fresh processes | the median of 6 fresh processes | one process | "
+            in readme_tables.overhead())
