@@ -279,6 +279,12 @@ def overhead() -> str:
     return "\n".join(lines)
 
 
+def _when(meta: dict) -> str:
+    """When and at which commit a result was made, for rows whose figures are older than the
+    code (a GPU is lent to a few sessions only: its figures wait for the next one)."""
+    return f"{meta['date'][:10]}, commit {meta['git_commit'][:7]}"
+
+
 def _gpu_overhead_rows() -> list[tuple[str, str, str]]:
     """The trainer against the plain loop on a GPU: ``bench.overhead --device cuda`` with torch's
     default AdamW (foreach) and with ``--fused-adamw`` (each model's step and overhead, the goal's
@@ -305,7 +311,7 @@ def _gpu_overhead_rows() -> list[tuple[str, str, str]]:
                 f"{vs(FLOOR, 'overhead_us', '+.0f')} µs; device memory `predict=False` "
                 f"{vs('predict=False', 'memory_ratio', '.2f')}×, default {vs('default', 'memory_ratio', '.2f')}×")
         cmds = " ".join(f"`{c}`" for c in dict.fromkeys(e["run"]["command"] for e in models.values()))
-        rows.append((f"The trainer's cost per step on a GPU ({device}, {optimizer}), prediction off ({names})",
+        rows.append((f"The trainer's cost per step on a GPU ({device}, {optimizer}; {_when(data)}), prediction off ({names})",
                      text, cmds))
     if not rows:
         return []
@@ -313,7 +319,7 @@ def _gpu_overhead_rows() -> list[tuple[str, str, str]]:
     if all(f.exists() for f in fused.values()):
         runs = [json.loads(f.read_text()) for f in fused.values()]
         rows.append((f"The trainer's cost in time on a GPU ({runs[0]['meta'].get('device', 'GPU').removeprefix('NVIDIA ')}, "
-                     "fused AdamW in every arm), prediction off "
+                     f"fused AdamW in every arm; {_when(runs[0]['meta'])}), prediction off "
                      "(`no-predict`; char-LM / Fashion-MNIST)",
                      "speed-up " + " / ".join(_speedup(d, "HybridTrainer (no-predict)") for d in runs)
                      + " (1.00× would be free)", _cmd(runs[0])))
