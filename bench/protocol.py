@@ -459,8 +459,12 @@ def run_arms(task: Task, arms: list[ArmSpec], seeds: list[int], desc: str,
     subclass for experiments whose plain loop does more, e.g. ``experiments.lr_control``)."""
     runs: dict[str, list[ArmRun]] = {a.name: [] for a in arms}
     total_chunks = sum(math.ceil(_budget(task, a) / task.eval_every) for a in arms) * len(seeds)
+    # tqdm draws its bar on a terminal only; written to a log (nohup, CI) the bar is off and a
+    # line per seed says how far the run is instead: the full benchmark runs for over an hour.
+    lines = not sys.stderr.isatty()
+    started = time.perf_counter()
     with tqdm(total=total_chunks, desc=desc, unit="chunk", file=sys.stderr, disable=None) as bar:
-        for seed in seeds:
+        for index, seed in enumerate(seeds, 1):
             current = [make_run(a, task, seed, _budget(task, a)) for a in arms]
             while not all(r.done for r in current):
                 for r in current:  # interleaved: one chunk of each arm in turn
@@ -469,6 +473,9 @@ def run_arms(task: Task, arms: list[ArmSpec], seeds: list[int], desc: str,
                         bar.update(1)
             for r in current:
                 runs[r.spec.name].append(r)
+            if lines:
+                print(f"{desc}: seed {seed} done ({index} of {len(seeds)}, {len(arms)} arm(s)), "
+                      f"{time.perf_counter() - started:.0f} s so far", file=sys.stderr, flush=True)
     return runs
 
 def _budget(task: Task, arm: ArmSpec) -> int:

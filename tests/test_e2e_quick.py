@@ -208,3 +208,13 @@ def test_muon_forced_predicts_over_muon_whatever_it_is_worth():
     while not run.done:
         run.run_chunk(task.eval_every, record_phases=False)
     assert run.trainer.statistics()["predicted_steps"] > 0
+
+
+def test_written_to_a_log_the_arms_report_each_seed_as_a_line(capsys):
+    """tqdm draws no bar where stderr is not a terminal (a log, CI): the runs then say, seed by
+    seed, how far they are, so an hour-long benchmark is not silent."""
+    task = get_task("digits", quick=True)
+    protocol.run_arms(task, [protocol.ArmSpec("AdamW", 3e-3)], seeds=[0, 1], desc="digits: progress")
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("digits: progress: seed")]
+    assert [line.split(" s so far")[0].rsplit(", ", 1)[0] for line in lines] == [
+        "digits: progress: seed 0 done (1 of 2, 1 arm(s))", "digits: progress: seed 1 done (2 of 2, 1 arm(s))"]
