@@ -51,7 +51,7 @@ import torch
 from . import protocol
 from .protocol import (ADAMW_WEIGHT_DECAY, FORCED_PREDICTION, HYBRID_STEP_FACTOR, MUON_PRESETS,
                        PRESETS, SCHEDULE_FREE_BETAS, ArmRun, ArmSpec, Task, analyse, format_mean_std,
-                       cpu_description, plot_loss_curves, preset_config, run_arms, run_metadata, sweep_lr)
+                       cpu_description, machine_speed, plot_loss_curves, preset_config, run_arms, run_metadata, sweep_lr)
 from .tasks import get_task
 
 PHASE_COLOURS = {"WARMUP": "#dddddd", "FULL": "#cfe2f3", "PREDICT": "#d9ead3", "CORRECT": "#fce5cd"}
@@ -168,8 +168,11 @@ def _num(value, digits: int = 3) -> str:
 
 def markdown(results: list[dict], meta: dict) -> str:
     cell = format_mean_std
+    machine = meta.get("machine")  # CPU runs since the host's figures were recorded
+    host = "" if not machine else (f"; on this host a bf16 matrix product takes {machine['bf16_matmul_vs_fp32']:.1f}× "
+                                   f"an fp32 one's time, which Muon's bf16 Newton-Schulz iteration pays")
     lines = [f"End-to-end benchmark, `{meta['command']}` ({meta['date']}, {meta['device']}, "
-             f"torch {meta['torch']}, {meta['threads']} thread(s)). Mean ± std over seeds.", ""]
+             f"torch {meta['torch']}, {meta['threads']} thread(s){host}). Mean ± std over seeds.", ""]
     for r in results:
         lines += [f"### {r['task']}: {r['data_source']}", "",
                   f"Target val loss {r['target_val_loss']:.4f} ({r['target_definition']}); tuned lr "
@@ -287,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         f" --device {args.device}" if args.device != "cpu" else "") + (" --fused-adamw" if args.fused_adamw else "") + (
         f" --out {args.out}" if args.out != Path("docs/results") else "")
     meta = run_metadata(command, device=cpu_description() if args.device == "cpu" else torch.cuda.get_device_name(0),
-                        threads=torch.get_num_threads())
+                        threads=torch.get_num_threads(),
+                        **({"machine": machine_speed()} if args.device == "cpu" else {}))  # the host, told apart
     results = []
     suffix = ("_quick" if args.quick else "") + ("_cuda" if args.device == "cuda" else "") + (
         "_fused" if args.fused_adamw else "")

@@ -78,8 +78,11 @@ def git_state(root: Path = REPO_ROOT) -> tuple[str | None, bool | None]:
 
 
 def cpu_description() -> str:
-    """The host CPU in words, e.g. ``"x86_64 CPU, 2 cores"``."""
-    return f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores"
+    """The host CPU in words: its model name, the vector instructions torch's CPU kernels use on
+    it and its cores, e.g. ``"AMD EPYC (AVX2), 2 cores"``. Result files of one benchmark made on
+    two hosts can differ for that alone (a bf16 matrix product took 32x an fp32 one's time on an
+    AVX2 host: :func:`machine_speed`)."""
+    return f"{_cpu_model_name()} ({torch.backends.cpu.get_cpu_capability()}), {os.cpu_count()} cores"
 
 
 def machine_speed(read_mb: int = 128, repeats: int = 5) -> dict[str, Any]:
@@ -110,9 +113,34 @@ def machine_speed(read_mb: int = 128, repeats: int = 5) -> dict[str, Any]:
         reads = [read() for _ in range(repeats)]
     finally:
         torch.set_num_threads(threads)
-    return dict(cpu=_cpu_model_name(), cores=os.cpu_count(),
+    return dict(cpu=_cpu_model_name(), cores=os.cpu_count(), isa=torch.backends.cpu.get_cpu_capability(),
                 python_ns=round(statistics.median(python_loop() for _ in range(repeats)), 2),
-                read_gb_s=round(statistics.median(reads), 2))
+                read_gb_s=round(statistics.median(reads), 2),
+                bf16_matmul_vs_fp32=round(bf16_matmul_vs_fp32(repeats=repeats), 2))
+
+
+def bf16_matmul_vs_fp32(size: int = 256, repeats: int = 5) -> float:
+    """The time of a bf16 ``size`` x ``size`` matrix product over an fp32 one's on one thread
+    (each the median of ``repeats``). Where the CPU has no bf16 instructions (no AVX512_BF16 or
+    AMX), torch's bf16 product is far slower than fp32's, and so is Muon's Newton-Schulz
+    iteration, which ``torch.optim.Muon`` runs in bf16: the end-to-end benchmark's Muon arms
+    then say more about the host than about the optimizer."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        times = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            a = torch.randn(size, size).to(dtype)
+            a @ a  # first call: any one-time set-up out of the timing
+            timed = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                a @ a
+                timed.append(time.perf_counter() - started)
+            times[dtype] = statistics.median(timed)
+    finally:
+        torch.set_num_threads(threads)
+    return times[torch.bfloat16] / max(times[torch.float32], 1e-12)
 
 
 def _cpu_model_name() -> str:
@@ -585,3 +613,6 @@ def plot_loss_curves(ax, result: dict) -> None:
     ax.set_ylim(min(lows) * 0.98, result["target_val_loss"] + 3 * (result["target_val_loss"] - min(lows)) + 1e-3)
 
 
+if __name__ == "__main__":  # python -m bench.protocol: this host's figures, as result files record them
+    print(cpu_description())
+    print(json.dumps(machine_speed(), indent=1))

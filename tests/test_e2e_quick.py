@@ -73,6 +73,29 @@ def test_quick_digits_writes_json_table_and_plot(quick_run):
     assert image.shape[:2] == (550, 990) and image[..., :3].std() > 0.05
     assert result["meta"]["command"] == f"python -m bench.e2e --quick --tasks digits --seeds 2 --out {tmp_path}"
     assert {"git_commit", "git_dirty", "date", "torch"} <= set(result["meta"])
+    # The host, told apart: its CPU and vector instructions, and how it runs Muon's bf16 products.
+    machine = result["meta"]["machine"]
+    assert machine["isa"] == torch.backends.cpu.get_cpu_capability() and machine["bf16_matmul_vs_fp32"] > 0
+    assert result["meta"]["device"] == protocol.cpu_description() and f"({machine['isa']})" in result["meta"]["device"]
+    assert (f"a bf16 matrix product takes {machine['bf16_matmul_vs_fp32']:.1f}× an fp32 one's time"
+            in (tmp_path / "e2e_quick.md").read_text())
+
+
+def test_the_bf16_product_measure_reads_a_slower_bf16_product_as_slower(monkeypatch):
+    """bench.protocol.bf16_matmul_vs_fp32 is the bf16 product's time over the fp32 one's: a clock
+    that runs ten times faster while a bf16 product is timed reads as a ratio of a tenth."""
+    real = protocol.bf16_matmul_vs_fp32(size=64, repeats=3)
+    assert real > 0
+    ticks = {"now": 0.0}
+    matmul = torch.Tensor.__matmul__
+
+    def timed_matmul(a, b):
+        ticks["now"] += 0.1 if a.dtype is torch.bfloat16 else 1.0
+        return matmul(a, b)
+
+    monkeypatch.setattr(torch.Tensor, "__matmul__", timed_matmul)
+    monkeypatch.setattr(protocol.time, "perf_counter", lambda: ticks["now"])
+    assert protocol.bf16_matmul_vs_fp32(size=8, repeats=3) == pytest.approx(0.1)
 
 
 @pytest.mark.slow
