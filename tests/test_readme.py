@@ -169,3 +169,18 @@ def test_the_overhead_table_says_over_how_many_fresh_processes_a_figure_was_pool
     (tmp_path / "overhead.json").write_text(json.dumps(data))
     assert (timed_row + "the median of 9 fresh processes | the median of 6 fresh processes | one process | "
             in readme_tables.overhead())
+
+
+def test_a_trainer_over_another_optimizer_is_said_faster_only_where_both_loops_were():
+    """The status row over Muon or schedule-free AdamW calls the result a gain only where the
+    trainer and the plain loop over that optimizer both beat tuned AdamW; slower both, a loss."""
+    def data(trainer: float, plain: float) -> dict:
+        def arm(mean: float) -> dict:
+            return dict(summary=dict(speedup_vs_baseline=dict(mean=mean), reached_target=3), seeds=[{}] * 3)
+        return dict(arms={"T": arm(trainer), "P": arm(plain)})
+
+    assert readme_tables._over_optimizer(data(2.32, 2.37), "T", "P", "the plain loop") == \
+        "**2.32×** sooner than tuned AdamW; the plain loop 2.37×: the gain is the optimizer's"
+    assert readme_tables._over_optimizer(data(0.75, 0.81), "T", "P", "the plain loop") == \
+        "**0.75×** tuned AdamW's speed to its target; the plain loop 0.81×: the loss is the optimizer's"
+    assert "sooner" not in readme_tables._over_optimizer(data(0.95, 1.10), "T", "P", "the plain loop")
