@@ -80,7 +80,7 @@ def git_state(root: Path = REPO_ROOT) -> tuple[str | None, bool | None]:
 def cpu_description() -> str:
     """The host CPU in words: its model name, the vector instructions torch's CPU kernels use on
     it and its cores, e.g. ``"AMD EPYC (AVX2), 2 cores"``. Result files of one benchmark made on
-    two hosts can differ for that alone (a bf16 matrix product took 32x an fp32 one's time on an
+    two hosts can differ for that alone (a bf16 matrix product took 38x an fp32 one's time on an
     AVX2 host: :func:`machine_speed`)."""
     return f"{_cpu_model_name()} ({torch.backends.cpu.get_cpu_capability()}), {os.cpu_count()} cores"
 

@@ -69,6 +69,25 @@ def _over_optimizer(data: dict, trainer_arm: str, plain_arm: str, plain_name: st
     return f"**{trainer}** {said}; {plain_name} {plain}: {whose}"
 
 
+NO_PREDICT = RESULTS / "e2e_no_predict"  # bench.e2e --presets no-predict: that arm alone, run again on newer code
+
+
+def _no_predict_row(e2e: dict[str, dict], cmd: str) -> tuple[str, str, str]:
+    """What the trainer costs in time with prediction off, end to end: from the run of that arm
+    alone (:data:`NO_PREDICT`) where it was made, else from the full run's arm."""
+    arm = "HybridTrainer (no-predict)"
+    files = {t: NO_PREDICT / f"e2e_{t}.json" for t in TASKS}
+    if all(f.exists() for f in files.values()):
+        runs = {t: json.loads(f.read_text()) for t, f in files.items()}
+        first = next(iter(runs.values()))
+        return ("The trainer's cost in time, prediction off (`predict=False`)",
+                f"speed-up {' / '.join(_speedup(runs[t], arm) for t in TASKS)} (1.00× would be free; "
+                f"{_when(first['meta'])}, {first['meta']['device']}: the full run's table below is older)",
+                _commands(run["meta"] for run in runs.values()))  # one run, or one per task group
+    return ("The trainer's cost in time, prediction off (`predict=False`)",
+            f"speed-up {' / '.join(_speedup(e2e[t], arm) for t in TASKS)} (1.00× would be free)", cmd)
+
+
 def status() -> str:
     """What pays and what does not: one measured figure per row with its command."""
     e2e = {t: _e2e(t) for t in TASKS}
@@ -87,8 +106,7 @@ def status() -> str:
         ("The trainer over schedule-free AdamW (Fashion-MNIST)",
          _over_optimizer(e2e["fashion"], "HybridTrainer (schedule-free)", "Schedule-free AdamW",
                          "the plain schedule-free loop"), cmd),
-        ("The trainer's cost in time, prediction off (`predict=False`)",
-         f"speed-up {per_task('HybridTrainer (no-predict)')} (1.00× would be free)", cmd),
+        _no_predict_row(e2e, cmd),
         ("The same under DDP (2 CPU ranks, Fashion-MNIST)",
          f"{no_predict['time_vs_plain']:.2f}× the plain DDP loop's training time (seeds "
          f"{no_predict['time_vs_plain_range'][0]:.2f}–{no_predict['time_vs_plain_range'][1]:.2f})", _cmd(ddp)),

@@ -184,3 +184,30 @@ def test_a_trainer_over_another_optimizer_is_said_faster_only_where_both_loops_w
     assert readme_tables._over_optimizer(data(0.75, 0.81), "T", "P", "the plain loop") == \
         "**0.75×** tuned AdamW's speed to its target; the plain loop 0.81×: the loss is the optimizer's"
     assert "sooner" not in readme_tables._over_optimizer(data(0.95, 1.10), "T", "P", "the plain loop")
+
+
+def test_the_prediction_off_row_takes_the_run_of_that_arm_alone_where_there_is_one(tmp_path, monkeypatch):
+    """``bench.e2e --presets no-predict`` into its own folder measures the trainer's end-to-end
+    cost on newer code than the full run's: the status row then quotes it, with its date, host
+    and command; without it, the full run's arm."""
+    full = {t: readme_tables._e2e(t) for t in readme_tables.TASKS}
+    monkeypatch.setattr(readme_tables, "NO_PREDICT", tmp_path / "none")
+    what, figure, command = readme_tables._no_predict_row(full, "`python -m bench.e2e`")
+    assert command == "`python -m bench.e2e`" and "the full run's table below is older" not in figure
+    arm = "HybridTrainer (no-predict)"
+    for task, data in full.items():
+        alone = json.loads(json.dumps(data))
+        alone["arms"][arm]["summary"]["speedup_vs_baseline"]["mean"] = 1.234
+        alone["meta"] = dict(data["meta"], command="python -m bench.e2e --presets no-predict --out x",
+                             date="2031-01-02T03:04:05+00:00", device="Some CPU (AVX2), 2 cores")
+        (tmp_path / f"e2e_{task}.json").write_text(json.dumps(alone))
+    monkeypatch.setattr(readme_tables, "NO_PREDICT", tmp_path)
+    what, figure, command = readme_tables._no_predict_row(full, "`python -m bench.e2e`")
+    assert figure.startswith("speed-up 1.23× / 1.23× / 1.23× (1.00× would be free; 2031-01-02, commit ")
+    assert "Some CPU (AVX2), 2 cores" in figure and command == "`python -m bench.e2e --presets no-predict --out x`"
+    # Tasks run by two commands (one of them failed to find its data and was run again): both named.
+    charlm = json.loads((tmp_path / "e2e_charlm.json").read_text())
+    charlm["meta"]["command"] = "python -m bench.e2e --tasks charlm --presets no-predict --out x"
+    (tmp_path / "e2e_charlm.json").write_text(json.dumps(charlm))
+    assert readme_tables._no_predict_row(full, "`python -m bench.e2e`")[2] == (
+        "`python -m bench.e2e --tasks charlm --presets no-predict --out x` `python -m bench.e2e --presets no-predict --out x`")
