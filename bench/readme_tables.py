@@ -75,17 +75,15 @@ NO_PREDICT = RESULTS / "e2e_no_predict"  # bench.e2e --presets no-predict: that 
 def _no_predict_row(e2e: dict[str, dict], cmd: str) -> tuple[str, str, str]:
     """What the trainer costs in time with prediction off, end to end: from the run of that arm
     alone (:data:`NO_PREDICT`) where it was made, else from the full run's arm."""
-    arm = "HybridTrainer (no-predict)"
+    what, arm = "The trainer's cost in time, prediction off (`predict=False`)", "HybridTrainer (no-predict)"
     files = {t: NO_PREDICT / f"e2e_{t}.json" for t in TASKS}
-    if all(f.exists() for f in files.values()):
-        runs = {t: json.loads(f.read_text()) for t, f in files.items()}
-        first = next(iter(runs.values()))
-        return ("The trainer's cost in time, prediction off (`predict=False`)",
-                f"speed-up {' / '.join(_speedup(runs[t], arm) for t in TASKS)} (1.00× would be free; "
-                f"{_when(first['meta'])}, {first['meta']['device']}: the full run's table below is older)",
-                _commands(run["meta"] for run in runs.values()))  # one run, or one per task group
-    return ("The trainer's cost in time, prediction off (`predict=False`)",
-            f"speed-up {' / '.join(_speedup(e2e[t], arm) for t in TASKS)} (1.00× would be free)", cmd)
+    if not all(f.exists() for f in files.values()):
+        return what, f"speed-up {' / '.join(_speedup(e2e[t], arm) for t in TASKS)} (1.00× would be free)", cmd
+    runs = {t: json.loads(f.read_text()) for t, f in files.items()}
+    first = next(iter(runs.values()))
+    return (what, f"speed-up {' / '.join(_speedup(runs[t], arm) for t in TASKS)} (1.00× would be free; "
+                  f"{_when(first['meta'])}, {first['meta']['device']}: the full run's table below is older)",
+            _commands(run["meta"] for run in runs.values()))  # one run, or one per task group
 
 
 def status() -> str:
@@ -146,10 +144,15 @@ def _commands(runs) -> str:
     return " ".join(f"`{c}`" for c in dict.fromkeys(r["command"] for r in runs))
 
 
+def _time_run(entry: dict, data: dict) -> dict:
+    """The run that timed a model's entry last (the whole file's where the entry names none)."""
+    return entry.get("time_run") or entry.get("run") or data
+
+
 def _time_runs(entry: dict, data: dict) -> list[dict]:
     """The runs whose timings a model's entry holds: the run that timed it last, and the runs
     that timed the arms it kept from earlier runs (``--arms``; each arm's ``time_run``)."""
-    return ([entry.get("time_run") or entry.get("run") or data]
+    return ([_time_run(entry, data)]
             + [a["time"]["time_run"] for a in entry["arms"].values() if "time_run" in a.get("time", {})])
 
 
@@ -278,7 +281,7 @@ def overhead() -> str:
         return cell
 
     def host(e: dict) -> str:
-        run = e.get("time_run") or e.get("run") or {}
+        run = _time_run(e, data)
         machine, after = run.get("machine"), run.get("machine_after_time")
         if not machine:
             return "not recorded"
@@ -343,7 +346,7 @@ def _gpu_overhead_rows() -> list[tuple[str, str, str]]:
                 f"plain loop's speed; here: {verdicts}); the floor of any per-step NaN guard "
                 f"{vs(FLOOR, 'overhead_us', '+.0f')} µs; device memory `predict=False` "
                 f"{vs('predict=False', 'memory_ratio', '.2f')}×, default {vs('default', 'memory_ratio', '.2f')}×")
-        cmds = " ".join(f"`{c}`" for c in dict.fromkeys(e["run"]["command"] for e in models.values()))
+        cmds = _commands(e["run"] for e in models.values())
         rows.append((f"The trainer's cost per step on a GPU ({device}, {optimizer}; {_when(data)}), prediction off ({names})",
                      text, cmds))
     if not rows:

@@ -79,9 +79,10 @@ Runs of hard batches (also ``blame_lone_alarms_on_the_batch``). A run of batches
 (data the model meets after learning the rest by heart: 1.7 against a window of 0.0002 on the 1 ms
 MLP) is critical step after step, so "the next step tells" fails: each run was refused and rolled
 back, and the batches were never learnt, where the plain loop took their loss from 1.7 to 0.09 in
-two passes over the data and to 0.003 in four. The step right after a rollback runs at the good state's weights. Those are the weights after an update
-judged by the loss before it; the step after the snapshot is the first to see them, and where its
-loss raised nothing critical (:attr:`DivergenceMonitor.good_state_seen_healthy`) a step critical at
+two passes over the data and to 0.003 in four. The step right after a rollback runs at the good
+state's weights. Those are the weights after an update judged by the loss before it; the step
+after the snapshot is the first to see them, and where its loss raised nothing critical
+(:attr:`DivergenceMonitor.good_state_seen_healthy`) a step critical at
 them again is taken for the batch's. So a run of critical steps that meets such a good state's
 weights (:attr:`DivergenceMonitor.at_good_state`) is taken for the batches' from there on: each of
 its steps whose loss and gradient norm lie within the jump rules' bounds around the largest the run
@@ -660,7 +661,8 @@ class DivergenceMonitor:
         MLP); a corrupt batch's (inputs scaled up a thousandfold) lie far above both, and stay
         refused. The run ends at the first step that raises nothing critical."""
         highest = self.highest_loss  # -inf while nothing was accepted: then no bound holds
-        if (not (self.blame_lone_alarms_on_the_batch and self.blame_runs_at_the_good_state) or loss is None or "nan" in kinds or not math.isfinite(highest)
+        if (not (self.blame_lone_alarms_on_the_batch and self.blame_runs_at_the_good_state)
+                or loss is None or "nan" in kinds or not math.isfinite(highest)
                 or not loss - highest <= (self.loss_jump_factor - 1) * abs(highest)
                 or (grad_norm is not None and not grad_norm <= self.grad_explosion_factor * self.highest_grad_norm)):
             return False
