@@ -253,7 +253,9 @@ def overhead() -> str:
 
     def timed_over(e: dict) -> str:
         runs = e["arms"]["predict=False"]["vs_plain"].get("overhead_runs")
-        return f"the median of {runs} fresh processes" if runs else "one process"
+        # One run: its interval is over its rounds (the 51M model's arms each in a process of
+        # their own, the others in one); several: over the runs, each in a fresh process.
+        return f"the median of {runs} runs, each in a fresh process" if runs else "one run"
 
     def arm(name: str) -> Callable[[dict], str]:
         return lambda e: us(((e["arms"].get(name) or {}).get("vs_plain") or {}).get("overhead_us"))

@@ -163,12 +163,12 @@ def test_the_overhead_table_says_over_how_many_fresh_processes_a_figure_was_pool
     (tmp_path / "overhead.json").write_text(json.dumps(data))
     monkeypatch.setattr(readme_tables, "RESULTS", tmp_path)
     timed_row = "| timed over | "
-    assert timed_row + "one process | one process | one process | one process | one process |" in readme_tables.overhead()
+    assert timed_row + "one run | one run | one run | one run | one run |" in readme_tables.overhead()
     data["models"]["tiny"]["arms"]["predict=False"]["vs_plain"]["overhead_runs"] = 9
     data["models"]["mlp-1ms"]["arms"]["predict=False"]["vs_plain"]["overhead_runs"] = 6
     (tmp_path / "overhead.json").write_text(json.dumps(data))
-    assert (timed_row + "the median of 9 fresh processes | the median of 6 fresh processes | one process | "
-            in readme_tables.overhead())
+    assert (timed_row + "the median of 9 runs, each in a fresh process | the median of 6 runs, each in a fresh "
+            "process | one run | " in readme_tables.overhead())
 
 
 def test_a_trainer_over_another_optimizer_is_said_faster_only_where_both_loops_were():
