@@ -33,13 +33,16 @@ function) and the count of device kernels a step launches against the plain loop
 
 Run: ``python -m experiments.gpu_step_capture --device cuda`` (``--device cpu`` runs the eager
 arms and the profile, as a check of the probe itself). Writes
-``experiments/results/gpu_step_capture_<device>.{json,md}``.
+``experiments/results/gpu_step_capture_<device>.{json,md}``; with ``--merge``, the models of that
+file this run does not time are kept, each with the run that timed it (a lent GPU's calls are
+short: one model a call).
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
 import io
+import json
 import pstats
 import shlex
 import statistics
@@ -302,6 +305,23 @@ def run(model: str, device: torch.device, rounds: int, chunk: int, profile_steps
     return result
 
 
+def merged(previous: dict[str, Any] | None, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``results`` (this run's models) with ``previous``'s (a results file's ``meta`` and
+    ``results``) other models kept, in the file's order, this run's new models after them. Each
+    kept model keeps the run that timed it (``run``; its file's ``meta`` where it has none)."""
+    if not previous:
+        return list(results)
+    new = {r["model"]: r for r in results}
+    kept = [new.pop(r["model"], None) or dict(r, run=r.get("run") or run_of(previous["meta"]))
+            for r in previous["results"]]
+    return kept + list(new.values())
+
+
+def run_of(meta: dict[str, Any]) -> dict[str, Any]:
+    """What a model's entry records of the run that timed it."""
+    return {k: meta[k] for k in ("command", "date", "git_commit", "torch", "device_name") if k in meta}
+
+
 def report(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [f"# A host-bound step on {meta['device_name']}: the trainer's host time and a captured step",
              "", f"`{meta['command']}` ({meta['date']}, commit {(meta['git_commit'] or 'unknown')[:10]}, torch {meta['torch']}).",
@@ -309,6 +329,10 @@ def report(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
              "between two synchronisations; over plain: median of the round-by-round differences, 95% sign interval.", ""]
     for r in results:
         lines += [f"## {r['model']} ({r['rounds']} rounds of {r['chunk']} steps)", ""]
+        timed_by = r.get("run")
+        if timed_by and timed_by["command"] != meta["command"]:
+            lines += [f"Timed by `{timed_by['command']}` ({timed_by['date']}, commit "
+                      f"{(timed_by['git_commit'] or 'unknown')[:10]}, torch {timed_by['torch']}).", ""]
         if r["capture_error"]:
             lines += [f"Capture failed: {r['capture_error']}", ""]
         lines += ["| arm | step (µs) | over plain (µs) [95%] | speed vs plain |", "|---|---|---|---|"]
@@ -340,6 +364,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chunk", type=int, default=48)
     parser.add_argument("--profile-steps", type=int, default=400)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the other models of the existing results file, each with the run that timed it")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     torch.set_num_threads(1)
@@ -347,16 +373,19 @@ def main(argv: list[str] | None = None) -> None:
     command = "python -m experiments.gpu_step_capture " + shlex.join(sys.argv[1:] if argv is None else argv)
     meta = run_metadata(command, device_name=name)
     stem = "gpu_step_capture_" + ("cuda" if device.type == "cuda" else "cpu")
+    existing = args.out / f"{stem}.json"
+    previous = json.loads(existing.read_text()) if args.merge and existing.exists() else None
     results = []
     for model in args.models:
         print(f"[gpu_step_capture] {model} on {device}", flush=True)
-        results.append(run(model, device, args.rounds, args.chunk, args.profile_steps))
+        results.append(dict(run(model, device, args.rounds, args.chunk, args.profile_steps), run=run_of(meta)))
         for arm, row in results[-1]["arms"].items():
             print(f"  {arm}: {row['step_us']:.0f} µs" + (f", {row['over_plain_us']:+.0f} µs over plain"
                                                         if "over_plain_us" in row else ""), flush=True)
         # Written after each model: a lent machine's time runs out, or a later model's capture
         # fails (the first run's did), without taking the models done with it.
-        write_results(args.out, stem, dict(meta=meta, results=results), report(results, meta))
+        written = merged(previous, results)
+        write_results(args.out, stem, dict(meta=meta, results=written), report(written, meta))
 
 
 if __name__ == "__main__":

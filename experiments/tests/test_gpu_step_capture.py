@@ -113,3 +113,31 @@ def test_both_guard_op_variants_read_the_same_norm_and_skip_a_non_finite_step():
         row = per_gradient[i * (1 + norms):(i + 1) * (1 + norms)]
         assert row[0] == pytest.approx(concatenated[2 * i], rel=1e-6)  # the same loss
         assert sum(n * n for n in row[1:]) ** 0.5 == pytest.approx(concatenated[2 * i + 1], rel=1e-5)
+
+
+def test_merge_keeps_the_other_models_each_with_the_run_that_timed_it(tmp_path):
+    # A lent GPU's calls are short: one model a call, the file gathering them.
+    common = ["--device", "cpu", "--rounds", "2", "--chunk", "2", "--profile-steps", "2", "--out", str(tmp_path)]
+    gpu_step_capture.main(["--models", "tiny", "small", *common])
+    first = json.loads((tmp_path / "gpu_step_capture_cpu.json").read_text())
+    gpu_step_capture.main(["--models", "small", "--merge", *common])
+    saved = json.loads((tmp_path / "gpu_step_capture_cpu.json").read_text())
+    assert [r["model"] for r in saved["results"]] == ["tiny", "small"]
+    tiny, small = saved["results"]
+    assert tiny == first["results"][0]  # kept as timed, with the first run's command
+    assert tiny["run"]["command"] == first["meta"]["command"] != saved["meta"]["command"]
+    assert small["run"]["command"] == saved["meta"]["command"] and small != first["results"][1]
+    report = (tmp_path / "gpu_step_capture_cpu.md").read_text()
+    assert report.count("Timed by `python -m experiments.gpu_step_capture --models tiny small") == 1
+    # Without --merge the file holds this run's models only.
+    gpu_step_capture.main(["--models", "small", *common])
+    assert [r["model"] for r in json.loads((tmp_path / "gpu_step_capture_cpu.json").read_text())["results"]] == ["small"]
+
+
+def test_a_file_written_before_models_recorded_their_run_is_merged_with_its_own():
+    old = dict(meta=dict(command="python -m experiments.gpu_step_capture --models a b", date="d", git_commit="c",
+                         torch="t"), results=[dict(model="a"), dict(model="b")])
+    new = [dict(model="b", run=dict(command="new")), dict(model="c", run=dict(command="new"))]
+    out = gpu_step_capture.merged(old, new)
+    assert [r["model"] for r in out] == ["a", "b", "c"]
+    assert out[0]["run"]["command"] == old["meta"]["command"] and out[1] is new[0]
