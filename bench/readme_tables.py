@@ -327,7 +327,7 @@ def _gpu_overhead_rows() -> list[tuple[str, str, str]]:
     """The trainer against the plain loop on a GPU: ``bench.overhead --device cuda`` with torch's
     default AdamW (foreach) and with ``--fused-adamw`` (each model's step and overhead, the goal's
     verdict) and the fused end-to-end run's ``no-predict`` arm."""
-    from bench.overhead import GOAL_GPU_SPEED, time_goal
+    from bench.overhead import CUDA_GRAPH, GOAL_GPU_SPEED, time_goal
 
     rows = []
     for stem, optimizer in (("overhead_cuda", "AdamW foreach"), ("overhead_cuda_fused", "AdamW fused=True")):
@@ -348,7 +348,19 @@ def _gpu_overhead_rows() -> list[tuple[str, str, str]]:
                 f"plain loop's speed; here: {verdicts}); the floor of any per-step NaN guard "
                 f"{vs(FLOOR, 'overhead_us', '+.0f')} µs; device memory `predict=False` "
                 f"{vs('predict=False', 'memory_ratio', '.2f')}×, default {vs('default', 'memory_ratio', '.2f')}×")
-        cmds = _commands(e["run"] for e in models.values())
+        if all(CUDA_GRAPH in e["arms"] and time_goal(e, "cuda", CUDA_GRAPH) for e in models.values()):
+            replayed = [e["arms"][CUDA_GRAPH] for e in models.values()]
+            graph_steps = " / ".join(f"{a['time']['chunk_median_us']:.0f}" for a in replayed)
+            speeds = " / ".join(f"{1 / a['vs_plain']['time_ratio']:.1f}" for a in replayed)
+            graph_verdicts = " / ".join(time_goal(e, "cuda", CUDA_GRAPH)["verdict"].split(" (")[0]
+                                        for e in models.values())
+            memory = ("" if not all(a.get("memory") for a in replayed) else
+                      f"; device memory {vs(CUDA_GRAPH, 'memory_ratio', '.2f')}×")
+            text += (f"; with its steady step replayed from a CUDA graph (`cuda_graph=True`, opt-in) "
+                     f"{graph_steps} µs a step, "
+                     f"{speeds}× the plain loop's speed ({graph_verdicts}{memory}; against the plain loop "
+                     f"captured the same way, see docs/gpu.md)")
+        cmds = _commands(run for e in models.values() for run in [*_time_runs(e, data), _memory_run(e, data)])
         rows.append((f"The trainer's cost per step on a GPU ({device}, {optimizer}; {_when(data)}), prediction off ({names})",
                      text, cmds))
     if not rows:

@@ -211,3 +211,28 @@ def test_the_prediction_off_row_takes_the_run_of_that_arm_alone_where_there_is_o
     (tmp_path / "e2e_charlm.json").write_text(json.dumps(charlm))
     assert readme_tables._no_predict_row(full, "`python -m bench.e2e`")[2] == (
         "`python -m bench.e2e --tasks charlm --presets no-predict --out x` `python -m bench.e2e --presets no-predict --out x`")
+
+
+def test_the_gpu_rows_name_every_run_and_give_the_replayed_step_where_it_was_timed(tmp_path, monkeypatch):
+    """The GPU row of a file timed in several runs (one model a call, the replayed step with
+    ``--arms``) names each run; the replayed step's figures come from its arm, and a file
+    without that arm says nothing of it."""
+    from bench.overhead import CUDA_GRAPH
+
+    data = json.loads((readme_tables.RESULTS / "overhead_cuda_fused.json").read_text())
+    for model, entry in data["models"].items():
+        entry["memory_run"] = dict(command=f"python -m bench.overhead --memory-run-{model}")
+        entry["arms"][CUDA_GRAPH] = dict(time=dict(chunk_median_us=100.0 + len(model)),
+                                         vs_plain=dict(time_ratio=0.25, overhead_us=-900.0,
+                                                       overhead_ci95_us=[-950.0, -850.0]))
+    (tmp_path / "overhead_cuda_fused.json").write_text(json.dumps(data))
+    monkeypatch.setattr(readme_tables, "RESULTS", tmp_path)
+    (what, figure, commands), = readme_tables._gpu_overhead_rows()
+    assert "H200" in what or "H100" in what
+    assert "--memory-run-fashion" in commands and "--memory-run-charlm" in commands
+    assert "`cuda_graph=True`, opt-in) 107 / 106 µs a step, 4.0 / 4.0× the plain loop's speed (met / met;" in figure
+    for entry in data["models"].values():
+        del entry["arms"][CUDA_GRAPH]
+    (tmp_path / "overhead_cuda_fused.json").write_text(json.dumps(data))
+    (_, figure, _), = readme_tables._gpu_overhead_rows()
+    assert "cuda_graph" not in figure
