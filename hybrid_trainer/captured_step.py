@@ -58,14 +58,35 @@ MAX_CAPTURES = 8
 MISSES_TO_DROP = 3
 
 
+_SIDE_STREAMS: dict[torch.device, Any] = {}  # one per device for the process: see side_stream
+
+
+def side_stream(device: torch.device):
+    """The process's side stream on ``device``, shared by every trainer that captures there.
+
+    Why shared: torch keeps a cuBLAS workspace for each (handle, stream) pair it has run a matrix
+    product on, until the process ends (ATen's CublasHandlePool), so a stream per trainer leaves
+    one behind per trainer. On the H200 (2026-11-28, a stream per trainer), a memory run whose
+    warm-up trainer was gone before the measured one was built started from 68 MB more allocated
+    than the plain loop's run (``bench.overhead --child fashion 'predict=False, cuda_graph'``: 162
+    against 94 MB), about two 32 MiB workspaces; the measured trainer's own peak was 77 MB above
+    that, against the plain loop's 9. torch.cuda.graph's default capture stream is likewise one
+    per process."""
+    key = torch.device(device.type, device.index if device.index is not None else torch.cuda.current_device())
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(key)
+    return _SIDE_STREAMS[key]
+
+
 class CudaGraphs:
     """torch.cuda's graphs on ``device``: one side stream for the warm-up steps and the capture
     (torch's make_graphed_callables warms up and captures on one stream too: libraries that keep a
-    handle per stream then make it before the capture, not inside it)."""
+    handle per stream then make it before the capture, not inside it); the process's, for every
+    trainer on that device (:func:`side_stream`)."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.side = torch.cuda.Stream(device)
+        self.side = side_stream(device)
 
     @contextlib.contextmanager
     def warmup(self) -> Iterator[None]:

@@ -457,3 +457,21 @@ def test_a_loss_function_that_reads_a_value_back_is_not_captured_and_the_run_goe
     assert_same_state(_state(model_g, trainer_g), _state(model_e, trainer_e))
     assert len(logged) == len(batches)  # every step's (the capture's read raised)
     assert trainer_g.captured.replays == 0 and stand_in.captured == 0
+
+
+def test_trainers_on_one_device_share_its_side_stream(monkeypatch):
+    # torch keeps a cuBLAS workspace per (handle, stream) until the process ends: a stream per
+    # trainer would leave one behind for each trainer made and dropped.
+    made = []
+
+    def stream(device):
+        made.append(device)
+        return object()
+
+    monkeypatch.setattr(torch.cuda, "Stream", stream)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(captured_step, "_SIDE_STREAMS", {})
+    first, again = captured_step.CudaGraphs(torch.device("cuda")), captured_step.CudaGraphs(torch.device("cuda", 0))
+    other = captured_step.CudaGraphs(torch.device("cuda", 1))
+    assert first.side is again.side and other.side is not first.side
+    assert made == [torch.device("cuda", 0), torch.device("cuda", 1)]
