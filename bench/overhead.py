@@ -1354,6 +1354,16 @@ def goal_lines(results: dict[str, Any]) -> list[str]:
     return out
 
 
+def arms_to_measure(timed: list[str] | None, device: torch.device) -> list[str]:
+    """The arms whose memory a run measures: every arm of :data:`ARMS` in a full run; with
+    ``--arms`` (``timed``), whose memory figures it keeps, only the opt-in configs it names, on
+    CUDA: a replayed step's graph keeps a memory pool of its own, which no kept arm shows (on a CPU
+    that arm steps as ``predict=False`` does)."""
+    if timed is None:
+        return list(ARMS)
+    return [a for a in timed if a in OPT_IN_CONFIGS and device.type == "cuda"]
+
+
 def keep_untimed_arms(old: dict[str, Any], entry: dict[str, Any], timed: list[str]) -> None:
     """``--arms``: fill ``entry`` (a model's results from this run, holding the time figures of
     the arms it timed, ``timed``) from ``old`` (the model's entry in the existing results file):
@@ -1394,7 +1404,10 @@ def _kept_said(results: dict[str, Any]) -> list[str]:
             if (a.get("time") or {}).get("time_run"):
                 kept.setdefault(said(a["time"]["time_run"]), []).append(arm)
         timed = [arm for arm, a in r["arms"].items() if a.get("time") and not a["time"].get("time_run")]
-        lines.append(f"{model}: this run timed {', '.join(timed)}; memory figures, breakdown and exploration from "
+        own = r.get("memory_of_this_run") or []
+        lines.append(f"{model}: this run timed {', '.join(timed)}"
+                     + (f" and measured the memory of {', '.join(own)}" if own else "")
+                     + f"; {'other ' if own else ''}memory figures, breakdown and exploration from "
                      f"{said(r['memory_run'])}"
                      + "".join(f"; {', '.join(arms)}: timed by {run}, each against that run's plain loop"
                                for run, arms in kept.items()) + ".")
@@ -1773,7 +1786,10 @@ def main(argv: list[str] | None = None) -> int:
         del workload
         gc.collect()
         big_memory_steps = min(memory_steps, 60) if big else memory_steps
-        for arm in tqdm(ARMS if args.arms is None else [], desc=f"{name}: memory", leave=False):
+        memory_arms = arms_to_measure(args.arms, device)
+        if args.arms is not None and memory_arms:
+            entry["memory_of_this_run"] = memory_arms
+        for arm in tqdm(memory_arms, desc=f"{name}: memory", leave=False):
             entry["arms"][arm]["memory"] = run_memory_child(name, arm, args.device, big_memory_steps, n_batches)
             if device.type == "cpu":  # on CUDA the allocator's own peak is exact already
                 entry["arms"][arm]["tensors"] = run_memory_child(name, arm, args.device, big_memory_steps, n_batches,

@@ -864,3 +864,18 @@ def test_the_replayed_step_arm_is_the_trainer_with_cuda_graph_timed_only_when_as
         step, trainer, _ = overhead._arm_step(overhead.CUDA_GRAPH, overhead.make_workload("tiny", 2, torch.device("cpu")),
                                               torch.device("cpu"))
     assert trainer.config.cuda_graph and not trainer.config.predict and step == trainer.step
+
+
+def test_arms_measures_the_memory_of_the_replayed_step_on_cuda_only_and_says_so():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert overhead.arms_to_measure(None, cpu) == list(overhead.ARMS)
+    assert overhead.arms_to_measure(["predict=False", overhead.CUDA_GRAPH], cuda) == [overhead.CUDA_GRAPH]
+    assert overhead.arms_to_measure(["predict=False", overhead.CUDA_GRAPH], cpu) == []  # steps as predict=False there
+    assert overhead.arms_to_measure(["predict=False", overhead.PLAIN_AGAIN], cuda) == []
+    run = dict(command="python -m bench.overhead --memory", date="2026-11-28", git=dict(commit="abc"))
+    arms = {"plain": dict(time=dict(steps=10)), overhead.CUDA_GRAPH: dict(time=dict(steps=10))}
+    said = overhead._kept_said(dict(models=dict(fashion=dict(arms=arms, memory_run=run,
+                                                             memory_of_this_run=[overhead.CUDA_GRAPH]))))
+    assert said[0].startswith(f"fashion: this run timed plain, {overhead.CUDA_GRAPH} and measured the memory of "
+                              f"{overhead.CUDA_GRAPH}; other memory figures, breakdown and exploration from "
+                              "`python -m bench.overhead --memory`")
