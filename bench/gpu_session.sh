@@ -14,30 +14,31 @@
 #                           commit them with the device's name, as docs/gpu.md says)
 #
 # The caps (seconds) add up to 540, inside a call's 600; change them with the variables below.
-# With a machine's start (a minute or two) that leaves ~4 of a session's 15 minutes: a second
-# call right after this one finds the machine warm (the compiled suite's tests, docs/gpu.md).
+# With a machine's start (a minute or two) that leaves ~4 of a session's 15 minutes for a second
+# call, made at once while the machine is warm (it goes back after 30 s idle).
 # The steps, in order of what the open work needs most:
-#   1. the tests of what the later steps run, on CUDA: first the trainer's step replayed from a
-#      CUDA graph (HybridConfig(cuda_graph=True)) against the eager one, which no GPU has run
-#      yet; the deferred checks; the Gram norms;
-#   2. the trainer's overhead with fused AdamW in every arm, against the goal predict=False
-#      >= 0.97x the plain loop, Fashion-MNIST then the char-LM:
-#      docs/results/overhead_cuda_fused.{json,md};
-#   3. the same with the step replayed from a CUDA graph, beside predict=False, both models
-#      (--arms: the other figures of step 2 kept), and that trainer's device memory on
-#      Fashion-MNIST beside the plain loop's and predict=False's (in the logs).
-# Runs where the device tool runs commands: the repository root, python3 holding a CUDA torch.
+#   1. the tests of what the later steps run, on CUDA, in one process: the trainer's step
+#      replayed from a CUDA graph (HybridConfig(cuda_graph=True)) against the eager one, the
+#      deferred checks, the Gram norms (70 tests in 9 s on the H200 on 2026-11-28; under
+#      pytest-xdist, 4 workers, they had not finished after 75 s, nor after 140);
+#   2. the trainer with its steady step replayed from a CUDA graph, beside predict=False and
+#      the plain loop, both models, with the replayed step's device memory (its graph's pool and
+#      the side stream, one per process since 2026-11-28; before, 77 MB above a baseline 68 MB
+#      higher than the plain loop's 9 MB): docs/results/overhead_cuda_fused.{json,md}, the
+#      other figures kept;
+#   3. the 51M-parameter MLP, whose step the device rather than the host bounds: what the
+#      trainer's eager step costs where launches do not dominate (same file, --merge);
+#   4. the Triton kernels' tests, compiled, in one process, as far as the cap allows.
 set -u
 cd "$(dirname "$0")/.."
-TESTS_CAP=${TESTS_CAP:-75}
-FASHION_CAP=${FASHION_CAP:-150}
-CHARLM_CAP=${CHARLM_CAP:-180}
-GRAPH_CAP=${GRAPH_CAP:-90}
-MEMORY_CAP=${MEMORY_CAP:-15}
+TESTS_CAP=${TESTS_CAP:-60}
+GRAPH_CAP=${GRAPH_CAP:-120}
+BIG_CAP=${BIG_CAP:-200}
+KERNELS_CAP=${KERNELS_CAP:-160}
 PYTHON=${PYTHON:-python3}
 DATA=${DEVDATA:-.devdata}
 OUT=${OUT:-build/gpu_session}
-LOGS=build/gpu_session_logs
+LOGS=${GPU_SESSION_LOGS:-build/gpu_session_logs}  # emptied first: the tests give their own
 
 if [ ! -f "$DATA/commit" ] || [ ! -d "$DATA/fashion-mnist" ] || [ ! -d "$DATA/bible" ]; then
     echo "gpu_session: $DATA/ is incomplete: run 'make gpu-devdata' here and carry .devdata" >&2
@@ -76,32 +77,22 @@ step() {  # step NAME CAP COMMAND...: run COMMAND under CAP seconds, its output 
 } 2>&1 | tee "$LOGS/machine.log"
 
 # Without the commit variables: the tests' own result-metadata checks read the tree as it is. Before
-# the benchmarks: a replay that fails its test must be known before its timing is read. (The
-# fifth session's 60 s cap cut a run of three files at 8 workers: starting them takes most of it.)
-step tests "$TESTS_CAP" env -u HYBRID_BENCH_GIT_COMMIT -u HYBRID_BENCH_GIT_DIRTY "$PYTHON" -m pytest -q -n 4 \
+# the benchmarks: a replay that fails its test must be known before its timing is read.
+step tests "$TESTS_CAP" env -u HYBRID_BENCH_GIT_COMMIT -u HYBRID_BENCH_GIT_DIRTY "$PYTHON" -m pytest -q -p no:xdist \
     -p no:cacheprovider -p no:benchmark tests/test_captured_step.py tests/test_deferred_checks.py \
     tests/test_gram_norm.py
-# One model a run, merged into one result file: a run stopped at its cap writes nothing, so the
-# char-LM's (the longer) cannot take Fashion-MNIST's figures with it. The char-LM timed over 20
-# rounds of 50 steps, as the fourth session did: its memory runs take ~15 s an arm. (The fifth
-# session's runs took 113 and 162 s.)
-step overhead_fashion "$FASHION_CAP" "$PYTHON" -m bench.overhead --device cuda --fused-adamw --models fashion \
-    --steps 2000 --memory-steps 40 --merge
-step overhead_charlm "$CHARLM_CAP" "$PYTHON" -m bench.overhead --device cuda --fused-adamw --models charlm \
-    --steps 1000 --memory-steps 40 --merge
-# The replayed step timed beside predict=False and the plain loop, interleaved in one process; the
-# models' other figures kept from the two runs above.
+# The replayed step timed beside predict=False and the plain loop, interleaved in one process, and
+# its memory in a fresh process (bench.overhead.arms_to_measure); the models' other figures kept
+# from the committed file (2026-11-28, H200).
 step overhead_cuda_graph "$GRAPH_CAP" "$PYTHON" -m bench.overhead --device cuda --fused-adamw \
     --models fashion charlm --steps 1000 --arms "predict=False, cuda_graph" "predict=False"
-# The replayed trainer's device memory (allocator peak over 40 steps, a fresh process each), beside
-# the plain loop's and predict=False's measured the same way: the graph keeps the gradients and its
-# own pool between steps, which the benchmark's memory runs (every arm but this one) do not show.
-step memory_plain "$MEMORY_CAP" "$PYTHON" -m bench.overhead --device cuda --fused-adamw --memory-steps 40 \
-    --child fashion plain
-step memory_predict_off "$MEMORY_CAP" "$PYTHON" -m bench.overhead --device cuda --fused-adamw --memory-steps 40 \
-    --child fashion "predict=False"
-step memory_cuda_graph "$MEMORY_CAP" "$PYTHON" -m bench.overhead --device cuda --fused-adamw --memory-steps 40 \
-    --child fashion "predict=False, cuda_graph"
+# Each arm of the 51M MLP steps in a process of its own: fewer timed steps than on a CPU core's
+# default, no exploration (the CPU runs have it), memory over 20 steps.
+step overhead_mlp50m "$BIG_CAP" "$PYTHON" -m bench.overhead --device cuda --fused-adamw --models mlp-50m \
+    --steps 300 --explore-steps 0 --memory-steps 20 --merge
+step kernels "$KERNELS_CAP" env -u HYBRID_BENCH_GIT_COMMIT -u HYBRID_BENCH_GIT_DIRTY "$PYTHON" -m pytest -q \
+    -p no:xdist -p no:cacheprovider -p no:benchmark tests/test_apply_delta.py tests/test_int8_quant.py \
+    tests/test_gru_cell.py tests/test_encode_state.py tests/test_flash_attention.py
 
 # The result files this call wrote (not the committed ones a failed step left), and every log.
 results=$(find docs/results/overhead_cuda_fused.* -newer "$LOGS/machine.log" 2>/dev/null)
