@@ -1070,11 +1070,34 @@ def memory_child(model_name: str, arm: str, device_name: str, steps: int, n_batc
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _peak_rss_bytes()
     result = dict(model=model_name, arm=arm, baseline_bytes=baseline, peak_bytes=peak, training_bytes=peak - baseline,
                   parameters=sum(p.numel() for p in model.parameters()), steps=steps)
+    if device.type == "cuda":  # at the end of the run, the trainer and its graph still alive
+        try:
+            result["allocated_by_pool"] = allocated_by_pool(torch.cuda.memory._snapshot(device))
+        except Exception as error:  # a private API: its failure must not cost the run's figures
+            result["allocated_by_pool"] = f"not read: {type(error).__name__}: {error}"
     if trainer is not None:
         result["trainer_tensor_bytes"] = trainer_tensor_bytes(trainer)
         result["prediction_enabled_at_end"] = trainer.controller.prediction_enabled
         result["plain_state_bytes"] = _plain_state_bytes(model, trainer.optimizer.state)
     return result
+
+
+def allocated_by_pool(snapshot: dict[str, Any]) -> dict[str, Any]:
+    """Bytes in use on a CUDA device, split by who holds them, from ``torch.cuda.memory._snapshot()``:
+    ``graph_pools`` in the private pools of CUDA graphs (pool id other than ``(0, 0)``: what a
+    captured step keeps between replays), ``by_stream`` in the default pool by the stream each
+    segment was allocated on (``"0"`` the default stream; another, a side stream's: the cuBLAS
+    workspace torch keeps per stream is allocated there). Where the replayed step's memory goes,
+    measured rather than inferred."""
+    graph_pools, by_stream = 0, {}
+    for segment in snapshot.get("segments", []):
+        used = segment["allocated_size"]
+        if tuple(segment.get("segment_pool_id") or (0, 0)) != (0, 0):
+            graph_pools += used
+        else:
+            key = str(segment.get("stream", 0))
+            by_stream[key] = by_stream.get(key, 0) + used
+    return dict(graph_pools=graph_pools, by_stream=by_stream)
 
 
 def run_memory_child(model_name: str, arm: str, device: str, steps: int, n_batches: int,

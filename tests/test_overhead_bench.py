@@ -879,3 +879,15 @@ def test_arms_measures_the_memory_of_the_replayed_step_on_cuda_only_and_says_so(
     assert said[0].startswith(f"fashion: this run timed plain, {overhead.CUDA_GRAPH} and measured the memory of "
                               f"{overhead.CUDA_GRAPH}; other memory figures, breakdown and exploration from "
                               "`python -m bench.overhead --memory`")
+
+
+def test_device_memory_is_split_into_graph_pools_and_the_default_pool_by_stream():
+    snapshot = dict(segments=[
+        dict(allocated_size=100, segment_pool_id=(0, 0), stream=0),
+        dict(allocated_size=30, segment_pool_id=(0, 0), stream=0),
+        dict(allocated_size=64, segment_pool_id=(0, 0), stream=7),  # a side stream's (its cuBLAS workspace)
+        dict(allocated_size=50, segment_pool_id=(1, 0), stream=7),  # a graph's private pool
+        dict(allocated_size=5, segment_pool_id=(0, 2), stream=7),
+    ])
+    assert overhead.allocated_by_pool(snapshot) == dict(graph_pools=55, by_stream={"0": 130, "7": 64})
+    assert overhead.allocated_by_pool({}) == dict(graph_pools=0, by_stream={})
