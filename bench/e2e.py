@@ -166,6 +166,19 @@ def _num(value, digits: int = 3) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
+def write_report(out: Path, tasks: list[str], suffix: str) -> int:
+    """``--report``: ``out/e2e{suffix}.md`` from the task files there, in ``tasks``' order (those
+    present); its header names the newest of their runs, each task the run that made it."""
+    results = [json.loads(f.read_text()) for f in (out / f"e2e_{t}{suffix}.json" for t in tasks) if f.exists()]
+    if not results:
+        raise SystemExit(f"--report: no e2e_<task>{suffix}.json of {tasks} in {out}")
+    newest = max((r["meta"] for r in results), key=lambda m: m["date"])
+    text = markdown(results, newest)
+    (out / f"e2e{suffix}.md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
 def markdown(results: list[dict], meta: dict) -> str:
     cell = format_mean_std
     machine = meta.get("machine")  # CPU runs since the host's figures were recorded
@@ -174,8 +187,12 @@ def markdown(results: list[dict], meta: dict) -> str:
     lines = [f"End-to-end benchmark, `{meta['command']}` ({meta['date']}, {meta['device']}, "
              f"torch {meta['torch']}, {meta['threads']} thread(s){host}). Mean ± std over seeds.", ""]
     for r in results:
-        lines += [f"### {r['task']}: {r['data_source']}", "",
-                  f"Target val loss {r['target_val_loss']:.4f} ({r['target_definition']}); tuned lr "
+        lines += [f"### {r['task']}: {r['data_source']}", ""]
+        own = r.get("meta")
+        if own and (own["command"], own["date"]) != (meta["command"], meta["date"]):  # a file of another run (--report)
+            lines += [f"Run: `{own['command']}` ({own['date']}, commit {(own.get('git_commit') or 'unknown')[:7]}, "
+                      f"{own['device']}).", ""]
+        lines += [f"Target val loss {r['target_val_loss']:.4f} ({r['target_definition']}); tuned lr "
                   f"{r['tuned_lr']:g} from sweep {r['lr_sweep']}"
                   + ("" if r.get("weight_average_lr") is None else
                      f"; lr for evaluation at the weight average {r['weight_average_lr']:g} from sweep "
@@ -258,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fused-adamw", action="store_true",
                         help="AdamW(fused=True) in every arm (results named *_fused)")
     parser.add_argument("--out", type=Path, default=Path("docs/results"))
+    parser.add_argument("--report", action="store_true",
+                        help="run nothing: write e2e.md again from the e2e_<task>.json files in --out, each task "
+                             "under the run that made it (tasks run one call at a time, or a run stopped part-way)")
     args = parser.parse_args(argv)
     if args.fused_adamw:
         protocol.ADAMW_OPTIONS["fused"] = True  # read by protocol.make_optimizer for every arm
@@ -267,6 +287,10 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     tasks = args.tasks or (["digits", "charlm"] if args.quick else ["charlm", "fashion", "digits"])
+    suffix = ("_quick" if args.quick else "") + ("_cuda" if args.device == "cuda" else "") + (
+        "_fused" if args.fused_adamw else "")
+    if args.report:
+        return write_report(args.out, tasks, suffix)
     presets = args.presets or ["default", "weight-average", "schedule-free", "muon", "no-predict"]
     if not hasattr(torch.optim, "Muon"):  # torch.optim.Muon exists from torch 2.9
         if args.presets and any(p in MUON_PRESETS for p in presets):
@@ -293,8 +317,6 @@ def main(argv: list[str] | None = None) -> int:
                         threads=torch.get_num_threads(),
                         **({"machine": machine_speed()} if args.device == "cpu" else {}))  # the host, told apart
     results = []
-    suffix = ("_quick" if args.quick else "") + ("_cuda" if args.device == "cuda" else "") + (
-        "_fused" if args.fused_adamw else "")
     for name in tasks:
         result = benchmark_task(name, args.quick, args.seeds, presets, args.device)
         result["meta"] = meta

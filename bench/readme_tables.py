@@ -17,10 +17,13 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from bench.results_index import current_command
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
 TASKS = {"charlm": "char-LM", "fashion": "Fashion-MNIST", "digits": "digits"}
 NOT_MEASURED = "not yet measured"
+NOT_RUN = "not run"  # an arm a run left out (--presets)
 MARKER = re.compile(r"(<!-- table:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
 
 
@@ -33,12 +36,17 @@ def _e2e(task: str) -> dict:
 
 
 def _cmd(data: dict) -> str:
-    return f"`{data['meta']['command']}`"
+    """A run's command as it reads today (:func:`bench.results_index.current_command`: a file
+    written into another folder and moved here is made by the command with this folder's
+    ``--out``)."""
+    return f"`{current_command(data['meta']['command'], Path('docs/results/e2e.json'))}`"
 
 
 def _speedup(data: dict, arm: str) -> str:
     """Mean over seeds of the per-seed speed-up to the target against the tuned AdamW loop, with
-    how many seeds reached it when not all did."""
+    how many seeds reached it when not all did; "not run" for an arm the run left out."""
+    if arm not in data["arms"]:
+        return NOT_RUN
     a = data["arms"][arm]
     s, n = a["summary"], len(a["seeds"])
     if s["speedup_vs_baseline"]["mean"] is None:
@@ -74,12 +82,13 @@ NO_PREDICT = RESULTS / "e2e_no_predict"  # bench.e2e --presets no-predict: that 
 
 def _no_predict_row(e2e: dict[str, dict], cmd: str) -> tuple[str, str, str]:
     """What the trainer costs in time with prediction off, end to end: from the run of that arm
-    alone (:data:`NO_PREDICT`) where it was made, else from the full run's arm."""
+    alone (:data:`NO_PREDICT`) where it was made after the full run, else from the full run's arm."""
     what, arm = "The trainer's cost in time, prediction off (`predict=False`)", "HybridTrainer (no-predict)"
     files = {t: NO_PREDICT / f"e2e_{t}.json" for t in TASKS}
-    if not all(f.exists() for f in files.values()):
+    runs = {t: json.loads(f.read_text()) for t, f in files.items() if f.exists()}
+    if len(runs) < len(TASKS) or min(r["meta"]["date"] for r in runs.values()) <= max(
+            d["meta"]["date"] for d in e2e.values()):  # the full run is as new: its arm
         return what, f"speed-up {' / '.join(_speedup(e2e[t], arm) for t in TASKS)} (1.00× would be free)", cmd
-    runs = {t: json.loads(f.read_text()) for t, f in files.items()}
     first = next(iter(runs.values()))
     return (what, f"speed-up {' / '.join(_speedup(runs[t], arm) for t in TASKS)} (1.00× would be free; "
                   f"{_when(first['meta'])}, {first['meta']['device']}: the full run's table below is older)",
@@ -92,7 +101,7 @@ def status() -> str:
     ddp = _load("ddp_fashion.json")
     off, runs, saved = _switched_off(list(e2e.values()), "HybridTrainer (default)")
     per_task = lambda arm: " / ".join(_speedup(e2e[t], arm) for t in TASKS)  # noqa: E731
-    cmd = _cmd(e2e["charlm"])
+    cmd = " ".join(dict.fromkeys(_cmd(e2e[t]) for t in TASKS))  # the tasks' runs (one call or several)
     no_predict = ddp["arms"]["HybridTrainer (no-predict)"]
     rows = [
         ("Predicted weight updates (the default trainer)",
@@ -100,10 +109,10 @@ def status() -> str:
          f"{saved:.1f}% of backward passes; speed-up {per_task('HybridTrainer (default)')}", cmd),
         ("The trainer over Muon + AdamW (char-LM)",
          _over_optimizer(e2e["charlm"], "HybridTrainer (muon)", "Muon + AdamW", "the plain Muon loop")
-         + "; Muon's bf16 step depends on the host's CPU ([below](#end-to-end-benchmark))", cmd),
+         + "; Muon's bf16 step depends on the host's CPU ([below](#end-to-end-benchmark))", _cmd(e2e["charlm"])),
         ("The trainer over schedule-free AdamW (Fashion-MNIST)",
          _over_optimizer(e2e["fashion"], "HybridTrainer (schedule-free)", "Schedule-free AdamW",
-                         "the plain schedule-free loop"), cmd),
+                         "the plain schedule-free loop"), _cmd(e2e["fashion"])),
         _no_predict_row(e2e, cmd),
         ("The same under DDP (2 CPU ranks, Fashion-MNIST)",
          f"{no_predict['time_vs_plain']:.2f}× the plain DDP loop's training time (seeds "

@@ -241,3 +241,20 @@ def test_written_to_a_log_the_arms_report_each_seed_as_a_line(capsys):
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("digits: progress: seed")]
     assert [line.split(" s so far")[0].rsplit(", ", 1)[0] for line in lines] == [
         "digits: progress: seed 0 done (1 of 2, 1 arm(s))", "digits: progress: seed 1 done (2 of 2, 1 arm(s))"]
+
+
+def test_report_rebuilds_the_table_from_the_task_files_each_under_its_own_run(quick_run, tmp_path):
+    # A task run in a call of its own (or a run stopped after its first task) still gets its table.
+    out, digits = quick_run
+    other = json.loads(json.dumps(digits))
+    other["task"] = "charlm-stand-in"
+    other["meta"] = dict(digits["meta"], command="python -m bench.e2e --tasks charlm", date="2026-01-01T00:00:00+00:00")
+    (tmp_path / "e2e_charlm_quick.json").write_text(json.dumps(other))
+    (tmp_path / "e2e_digits_quick.json").write_text(json.dumps(digits))
+    assert e2e.main(["--quick", "--report", "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "e2e_quick.md").read_text()
+    assert text.startswith(f"End-to-end benchmark, `{digits['meta']['command']}`")  # the newest run's header
+    assert text.index("### digits") < text.index("### charlm-stand-in")  # --quick's task order: digits, charlm
+    assert text.count("Run: `") == 1 and "Run: `python -m bench.e2e --tasks charlm` (2026-01-01" in text
+    with pytest.raises(SystemExit, match="--report: no e2e_<task>_quick.json"):
+        e2e.main(["--quick", "--report", "--out", str(tmp_path / "empty")])

@@ -211,6 +211,11 @@ def test_the_prediction_off_row_takes_the_run_of_that_arm_alone_where_there_is_o
     (tmp_path / "e2e_charlm.json").write_text(json.dumps(charlm))
     assert readme_tables._no_predict_row(full, "`python -m bench.e2e`")[2] == (
         "`python -m bench.e2e --tasks charlm --presets no-predict --out x` `python -m bench.e2e --presets no-predict --out x`")
+    # A full run made after it (here, one task's) takes the row back: its table is then as new.
+    newer = {t: dict(d, meta=dict(d["meta"], date="2032-01-01T00:00:00+00:00")) if t == "digits" else d
+             for t, d in full.items()}
+    what, figure, command = readme_tables._no_predict_row(newer, "`python -m bench.e2e`")
+    assert command == "`python -m bench.e2e`" and "1.23×" not in figure and "older" not in figure
 
 
 def test_the_gpu_rows_name_every_run_and_give_the_replayed_step_where_it_was_timed(tmp_path, monkeypatch):
