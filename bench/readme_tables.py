@@ -357,12 +357,12 @@ def _gpu_overhead_rows() -> list[tuple[str, str, str]]:
                 f"plain loop's speed; here: {verdicts}); the floor of any per-step NaN guard "
                 f"{vs(FLOOR, 'overhead_us', '+.0f')} µs; device memory `predict=False` "
                 f"{vs('predict=False', 'memory_ratio', '.2f')}×, default {vs('default', 'memory_ratio', '.2f')}×")
-        if all(CUDA_GRAPH in e["arms"] and time_goal(e, "cuda", CUDA_GRAPH) for e in models.values()):
+        graph_goals = [CUDA_GRAPH in e["arms"] and time_goal(e, "cuda", CUDA_GRAPH) for e in models.values()]
+        if all(graph_goals):
             replayed = [e["arms"][CUDA_GRAPH] for e in models.values()]
             graph_steps = " / ".join(f"{a['time']['chunk_median_us']:.0f}" for a in replayed)
             speeds = " / ".join(f"{1 / a['vs_plain']['time_ratio']:.1f}" for a in replayed)
-            graph_verdicts = " / ".join(time_goal(e, "cuda", CUDA_GRAPH)["verdict"].split(" (")[0]
-                                        for e in models.values())
+            graph_verdicts = " / ".join(g["verdict"].split(" (")[0] for g in graph_goals)
             memory = ("" if not all(a.get("memory") for a in replayed) else
                       f"; device memory {vs(CUDA_GRAPH, 'memory_ratio', '.2f')}×")
             text += (f"; with its steady step replayed from a CUDA graph (`cuda_graph=True`, opt-in) "

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import logging
 import shlex
 import sys
@@ -143,8 +144,7 @@ def report(result: dict[str, Any], meta: dict[str, Any]) -> str:
     from experiments.spike_cost import median_cell
 
     for arm, runs in result["arms"].items():
-        def cell(key: str, fmt: str = "{:.0f}") -> str:
-            return median_cell(runs, key, fmt)
+        cell = functools.partial(median_cell, runs)
         said = ", ".join("no" if r["stalled_at"] is None else f"at step {r['stalled_at']}" for r in runs)
         lines.append(f"| {arm} | {cell('refused')} | {cell('rollbacks')} | {cell('tolerated')} | {said} | "
                      f"{cell('new_loss', '{:.3f}')} | {cell('new_accuracy', '{:.3f}')} | {cell('old_loss', '{:.3f}')} | "

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import logging
 import shlex
 import statistics
@@ -165,8 +166,7 @@ def report(result: dict[str, Any], meta: dict[str, Any]) -> str:
                   "| arm | steps refused | rollbacks | outliers tolerated | stopped by the guard | final loss |",
                   "|---|---|---|---|---|---|"]
         for arm, runs in arms.items():
-            def cell(key: str, fmt: str = "{:.0f}") -> str:
-                return median_cell(runs, key, fmt)
+            cell = functools.partial(median_cell, runs)
             stopped = [r["stalled_at"] for r in runs]
             said = ", ".join("no" if s is None else f"at step {s}" for s in stopped)
             lines.append(f"| {arm} | {cell('refused')} | {cell('rollbacks')} | {cell('tolerated')} | {said} | "
